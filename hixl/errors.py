@@ -1,0 +1,126 @@
+"""HIXL status codes and the typed exceptions that carry them.
+
+Every failure in hixl is one of these exceptions. Each names the problem in its message
+and carries the HIXL status code, so the `Hixl` facade can return the integer HIXL
+callers expect while `Engine` users get a precise exception type.
+"""
+
+from __future__ import annotations
+
+SUCCESS = 0
+PARAM_INVALID = 103900
+TIMEOUT = 103901
+NOT_CONNECTED = 103902
+ALREADY_CONNECTED = 103903
+NOTIFY_FAILED = 103904
+UNSUPPORTED = 103905
+RESOURCE_EXHAUSTED = 203900
+FAILED = 503900
+
+STATUS_NAMES: dict[int, str] = {
+    SUCCESS: "SUCCESS",
+    PARAM_INVALID: "PARAM_INVALID",
+    TIMEOUT: "TIMEOUT",
+    NOT_CONNECTED: "NOT_CONNECTED",
+    ALREADY_CONNECTED: "ALREADY_CONNECTED",
+    NOTIFY_FAILED: "NOTIFY_FAILED",
+    UNSUPPORTED: "UNSUPPORTED",
+    RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
+    FAILED: "FAILED",
+}
+
+
+class HixlError(Exception):
+    """Base of every hixl error; `status` is the HIXL status code."""
+
+    status: int = FAILED
+
+    def __init__(self, message: str, *, status: int | None = None,
+                 failed: list[int] | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+        #: indexes of the batch's op descriptors that did not complete (transfers only)
+        self.failed: list[int] = list(failed or [])
+
+    @property
+    def status_name(self) -> str:
+        return STATUS_NAMES.get(self.status, str(self.status))
+
+    def __str__(self) -> str:
+        return f"[{self.status_name} {self.status}] {self.args[0]}"
+
+
+class ParamInvalid(HixlError, ValueError):
+    """Bad input: unknown address, bad length, malformed option or config."""
+
+    status = PARAM_INVALID
+
+
+class OutOfRange(ParamInvalid):
+    """An address range that is not wholly inside one registered segment."""
+
+
+class PermissionDenied(ParamInvalid):
+    """The segment does not allow this access (e.g. a write to a read-only segment)."""
+
+
+class ConfigError(ParamInvalid):
+    """A config file, flag or environment value that cannot be used."""
+
+
+class TransferTimeout(HixlError, TimeoutError):
+    """A deadline passed before the operation finished."""
+
+    status = TIMEOUT
+
+
+class NotConnected(HixlError):
+    """No connection to that remote engine (never connected, or disconnected)."""
+
+    status = NOT_CONNECTED
+
+
+class AlreadyConnected(HixlError):
+    status = ALREADY_CONNECTED
+
+
+class Unsupported(HixlError):
+    status = UNSUPPORTED
+
+
+class ResourceExhausted(HixlError):
+    """Out of pool memory, queue slots or similar capacity."""
+
+    status = RESOURCE_EXHAUSTED
+
+
+class TransferFailed(HixlError):
+    """The transfer did not complete; `failed` lists the indexes of unfinished descriptors."""
+
+    status = FAILED
+
+
+class PeerUnavailable(TransferFailed):
+    """The remote agent is unreachable or died mid-operation."""
+
+
+class StaleEpoch(TransferFailed):
+    """The remote agent restarted: handles from before the restart are refused."""
+
+
+_BY_STATUS: dict[int, type[HixlError]] = {
+    PARAM_INVALID: ParamInvalid,
+    TIMEOUT: TransferTimeout,
+    NOT_CONNECTED: NotConnected,
+    ALREADY_CONNECTED: AlreadyConnected,
+    UNSUPPORTED: Unsupported,
+    RESOURCE_EXHAUSTED: ResourceExhausted,
+    FAILED: TransferFailed,
+}
+
+
+def error_for_status(status: int, message: str) -> HixlError:
+    """Build the exception class that matches a HIXL status code (e.g. from the wire)."""
+    cls = _BY_STATUS.get(status, HixlError)
+    return cls(message, status=status)

@@ -1,0 +1,121 @@
+"""The address table: non-overlapping [base, base+length) ranges with O(log n) lookup.
+
+Used for local registrations and for the cached view of remote segments. Lookups are a
+bisect over the sorted bases (plus a one-entry cache, since batches hit the same segment
+over and over); overlapping inserts are refused, never merged.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from hixl.errors import OutOfRange, ParamInvalid
+
+T = TypeVar("T")
+
+MAX_ADDRESS = 1 << 64
+
+
+def check_range(addr: object, length: object, what: str = "range") -> None:
+    """Refuse non-integer, negative, zero or overflowing (addr, length) pairs by name."""
+    if not (isinstance(addr, int) and isinstance(length, int)) or isinstance(
+            addr, bool) or isinstance(length, bool):
+        raise ParamInvalid(f"{what}: address and length must be integers, got "
+                           f"{type(addr).__name__} and {type(length).__name__}")
+    if length <= 0:
+        raise ParamInvalid(f"{what}: length must be positive, got {length}")
+    if addr < 0:
+        raise ParamInvalid(f"{what}: address must not be negative, got {addr}")
+    if addr + length > MAX_ADDRESS:
+        raise ParamInvalid(f"{what}: {addr:#x} + {length} overflows the 64-bit address space")
+
+
+class AddressTable(Generic[T]):
+    """Sorted, non-overlapping address ranges mapping to values."""
+
+    __slots__ = ("_bases", "_ends", "_values", "_last")
+
+    def __init__(self) -> None:
+        self._bases: list[int] = []
+        self._ends: list[int] = []
+        self._values: list[T] = []
+        self._last: tuple[int, int, T] | None = None
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    def __iter__(self) -> Iterator[tuple[int, int, T]]:
+        """Yield (base, length, value) in address order."""
+        for base, end, value in zip(self._bases, self._ends, self._values, strict=True):
+            yield base, end - base, value
+
+    def insert(self, base: int, length: int, value: T) -> None:
+        check_range(base, length, "registration")
+        i = bisect.bisect_right(self._bases, base)
+        end = base + length
+        if i > 0 and self._ends[i - 1] > base:
+            raise ParamInvalid(
+                f"range [{base:#x}, {end:#x}) overlaps the registered range "
+                f"[{self._bases[i - 1]:#x}, {self._ends[i - 1]:#x})")
+        if i < len(self._bases) and self._bases[i] < end:
+            raise ParamInvalid(
+                f"range [{base:#x}, {end:#x}) overlaps the registered range "
+                f"[{self._bases[i]:#x}, {self._ends[i]:#x})")
+        self._bases.insert(i, base)
+        self._ends.insert(i, end)
+        self._values.insert(i, value)
+
+    def remove(self, base: int) -> T:
+        i = bisect.bisect_left(self._bases, base)
+        if i == len(self._bases) or self._bases[i] != base:
+            raise ParamInvalid(f"no range registered at {base:#x}")
+        del self._bases[i], self._ends[i]
+        value = self._values.pop(i)
+        self._last = None
+        return value
+
+    def clear(self) -> None:
+        self._bases.clear()
+        self._ends.clear()
+        self._values.clear()
+        self._last = None
+
+    def get(self, base: int) -> T | None:
+        """The value registered with exactly this base, or None."""
+        i = bisect.bisect_left(self._bases, base)
+        if i < len(self._bases) and self._bases[i] == base:
+            return self._values[i]
+        return None
+
+    def lookup(self, addr: int) -> tuple[int, int, T] | None:
+        """(base, end, value) of the range containing addr, or None."""
+        last = self._last
+        if last is not None and last[0] <= addr < last[1]:
+            return last
+        i = bisect.bisect_right(self._bases, addr) - 1
+        if i < 0 or addr >= self._ends[i]:
+            return None
+        hit = (self._bases[i], self._ends[i], self._values[i])
+        self._last = hit
+        return hit
+
+    def find(self, addr: int, length: int, what: str = "address") -> tuple[int, T]:
+        """(base, value) of the one range wholly containing [addr, addr+length).
+
+        Raises OutOfRange naming the address when no range holds it, or when the range
+        runs past the end of the range that holds its start.
+        """
+        last = self._last
+        if last is not None and last[0] <= addr and addr + length <= last[1]:
+            return last[0], last[2]
+        hit = self.lookup(addr)
+        if hit is None:
+            raise OutOfRange(f"{what} {addr:#x} is not inside any registered segment")
+        base, end, value = hit
+        if addr + length > end:
+            raise OutOfRange(
+                f"{what} range [{addr:#x}, {addr + length:#x}) crosses the end of its "
+                f"segment [{base:#x}, {end:#x}) by {addr + length - end} bytes")
+        return base, value

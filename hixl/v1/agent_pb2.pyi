@@ -1,0 +1,235 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Segment(_message.Message):
+    __slots__ = ("segment_id", "engine", "node_id", "base", "length", "mem_type", "perms", "epoch", "shareable", "name")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PERMS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SHAREABLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    engine: str
+    node_id: str
+    base: int
+    length: int
+    mem_type: int
+    perms: int
+    epoch: int
+    shareable: bool
+    name: str
+    def __init__(self, segment_id: _Optional[int] = ..., engine: _Optional[str] = ..., node_id: _Optional[str] = ..., base: _Optional[int] = ..., length: _Optional[int] = ..., mem_type: _Optional[int] = ..., perms: _Optional[int] = ..., epoch: _Optional[int] = ..., shareable: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("version", "client_engine")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    client_engine: str
+    def __init__(self, version: _Optional[int] = ..., client_engine: _Optional[str] = ...) -> None: ...
+
+class HandshakeReply(_message.Message):
+    __slots__ = ("version", "engine", "node_id", "fabric_domain", "epoch", "data_tcp", "data_unix", "fd_socket", "segments")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FABRIC_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DATA_TCP_FIELD_NUMBER: _ClassVar[int]
+    DATA_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    engine: str
+    node_id: str
+    fabric_domain: str
+    epoch: int
+    data_tcp: str
+    data_unix: str
+    fd_socket: str
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, version: _Optional[int] = ..., engine: _Optional[str] = ..., node_id: _Optional[str] = ..., fabric_domain: _Optional[str] = ..., epoch: _Optional[int] = ..., data_tcp: _Optional[str] = ..., data_unix: _Optional[str] = ..., fd_socket: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class ListSegmentsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSegmentsReply(_message.Message):
+    __slots__ = ("epoch", "segments")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, epoch: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class WatchSegmentsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SegmentEvent(_message.Message):
+    __slots__ = ("kind", "epoch", "segments")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SNAPSHOT: _ClassVar[SegmentEvent.Kind]
+        ADDED: _ClassVar[SegmentEvent.Kind]
+        REMOVED: _ClassVar[SegmentEvent.Kind]
+    SNAPSHOT: SegmentEvent.Kind
+    ADDED: SegmentEvent.Kind
+    REMOVED: SegmentEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    kind: SegmentEvent.Kind
+    epoch: int
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, kind: _Optional[_Union[SegmentEvent.Kind, str]] = ..., epoch: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class AllocateSegmentRequest(_message.Message):
+    __slots__ = ("size", "perms", "name", "owner")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PERMS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    perms: int
+    name: str
+    owner: str
+    def __init__(self, size: _Optional[int] = ..., perms: _Optional[int] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class RegisterSegmentRequest(_message.Message):
+    __slots__ = ("fd_ticket", "length", "perms", "name", "owner")
+    FD_TICKET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PERMS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    fd_ticket: str
+    length: int
+    perms: int
+    name: str
+    owner: str
+    def __init__(self, fd_ticket: _Optional[str] = ..., length: _Optional[int] = ..., perms: _Optional[int] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class SegmentReply(_message.Message):
+    __slots__ = ("segment",)
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    segment: Segment
+    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ...) -> None: ...
+
+class DeregisterSegmentRequest(_message.Message):
+    __slots__ = ("segment_id", "epoch")
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    segment_id: int
+    epoch: int
+    def __init__(self, segment_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class DeregisterSegmentReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthReply(_message.Message):
+    __slots__ = ("status", "engine", "node_id", "epoch", "uptime_s")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    engine: str
+    node_id: str
+    epoch: int
+    uptime_s: float
+    def __init__(self, status: _Optional[str] = ..., engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("counters",)
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("engine", "node_id", "epoch", "ttl_ms", "segments")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    node_id: str
+    epoch: int
+    ttl_ms: int
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class PublishReply(_message.Message):
+    __slots__ = ("lease_id", "ttl_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    ttl_ms: int
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class KeepAliveReply(_message.Message):
+    __slots__ = ("ttl_ms",)
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ttl_ms: int
+    def __init__(self, ttl_ms: _Optional[int] = ...) -> None: ...
+
+class UnpublishRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class UnpublishReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class QuerySegmentsRequest(_message.Message):
+    __slots__ = ("engine",)
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    def __init__(self, engine: _Optional[str] = ...) -> None: ...
+
+class QuerySegmentsReply(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class WatchRegistryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,354 @@
+"""The data-path wire protocol, sans-IO: frame codec and per-connection state machines.
+
+Nothing here touches a socket. The server side (`ServerProtocol`) turns each 48-byte
+header into an *action* for the I/O driver — receive the payload straight into segment
+memory, discard it, send a reply, or close — after checking everything before any byte
+moves: handshake done, known segment, live epoch, permission, bounds. The client side
+encodes requests and checks that replies match what was asked, in order (pipelining).
+
+Frame = header, then `length` payload bytes for HELLO, WRITE and non-empty REPLY frames.
+
+    magic u16 | version u8 | opcode u8 | flags u16 | reason u16 | status u32 | epoch u32
+    request_id u64 | segment_id u64 | addr u64 | length u64          (network byte order)
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hixl import errors
+from hixl.types import Perm
+
+HEADER = struct.Struct("!HBBHHIIQQQQ")
+HEADER_SIZE = HEADER.size  # 48
+MAGIC = 0x4858  # "HX"
+VERSION = 1
+MAX_PAYLOAD = 64 << 20  # senders split larger ops into frames of at most this size
+MAX_HELLO = 4096
+MAX_ERROR_TEXT = 4096
+FLAG_ERROR_TEXT = 1  # a REPLY whose payload is a UTF-8 error message
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    WRITE = 2
+    READ = 3
+    REPLY = 4
+    PING = 5
+
+
+class Reason(enum.IntEnum):
+    """Why a request was refused; the client maps it to an exception type."""
+
+    OK = 0
+    BAD_FRAME = 1
+    NOT_AUTHENTICATED = 2
+    UNKNOWN_SEGMENT = 3
+    STALE_EPOCH = 4
+    PERMISSION = 5
+    OUT_OF_RANGE = 6
+    BAD_LENGTH = 7
+    INTERNAL = 8
+
+
+_STATUS_FOR_REASON = {
+    Reason.OK: errors.SUCCESS,
+    Reason.BAD_FRAME: errors.PARAM_INVALID,
+    Reason.NOT_AUTHENTICATED: errors.FAILED,
+    Reason.UNKNOWN_SEGMENT: errors.PARAM_INVALID,
+    Reason.STALE_EPOCH: errors.FAILED,
+    Reason.PERMISSION: errors.PARAM_INVALID,
+    Reason.OUT_OF_RANGE: errors.PARAM_INVALID,
+    Reason.BAD_LENGTH: errors.PARAM_INVALID,
+    Reason.INTERNAL: errors.FAILED,
+}
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the protocol; the connection cannot continue."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class Header:
+    opcode: int
+    request_id: int = 0
+    segment_id: int = 0
+    epoch: int = 0
+    addr: int = 0
+    length: int = 0
+    status: int = 0
+    reason: int = 0
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, self.opcode, self.flags, self.reason, self.status,
+                           self.epoch, self.request_id, self.segment_id, self.addr, self.length)
+
+
+def decode_header(raw: bytes | bytearray | memoryview) -> Header:
+    """Parse and sanity-check one header; ProtocolError names what is wrong."""
+    if len(raw) != HEADER_SIZE:
+        raise ProtocolError(Reason.BAD_FRAME, f"header is {len(raw)} bytes, expected {HEADER_SIZE}")
+    (magic, version, opcode, flags, reason, status, epoch, request_id, segment_id, addr,
+     length) = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(Reason.BAD_FRAME, f"bad magic {magic:#06x}: not a hixl data stream")
+    if version != VERSION:
+        raise ProtocolError(Reason.BAD_FRAME,
+                            f"protocol version {version} not supported (this side speaks {VERSION})")
+    if opcode not in _OPCODES:
+        raise ProtocolError(Reason.BAD_FRAME, f"unknown opcode {opcode}")
+    return Header(opcode, request_id, segment_id, epoch, addr, length, status, reason, flags)
+
+
+_OPCODES = frozenset(int(op) for op in Op)
+
+
+def payload_length(header: Header) -> int:
+    """How many payload bytes follow this header on the stream."""
+    if header.opcode in (Op.WRITE, Op.HELLO, Op.REPLY):
+        return header.length
+    return 0
+
+
+def hello(request_id: int, identity: bytes = b"") -> bytes:
+    return Header(Op.HELLO, request_id, length=len(identity)).pack() + identity
+
+
+def write_header(request_id: int, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
+    return Header(Op.WRITE, request_id, segment_id, epoch, addr, length).pack()
+
+
+def read_request(request_id: int, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
+    return Header(Op.READ, request_id, segment_id, epoch, addr, length).pack()
+
+
+def ok_reply(request_id: int, length: int = 0) -> bytes:
+    return Header(Op.REPLY, request_id, length=length).pack()
+
+
+def error_reply(request_id: int, reason: Reason, message: str) -> bytes:
+    text = message.encode("utf-8", "replace")[:MAX_ERROR_TEXT]
+    return Header(Op.REPLY, request_id, length=len(text), status=_STATUS_FOR_REASON[reason],
+                  reason=reason, flags=FLAG_ERROR_TEXT).pack() + text
+
+
+def split(addr: int, length: int, limit: int = MAX_PAYLOAD) -> list[tuple[int, int]]:
+    """Cut one op into (offset, length) frames of at most `limit` bytes."""
+    return [(off, min(limit, length - off)) for off in range(0, length, limit)]
+
+
+# ---------------------------------------------------------------- server side
+
+@dataclass(slots=True)
+class ServedSegment:
+    """What the server knows of a segment it serves: identity, rights and its memory."""
+
+    segment_id: int
+    epoch: int
+    base: int
+    length: int
+    perms: Perm
+    memory: memoryview  # writable view of the whole segment
+
+
+@dataclass(slots=True)
+class ReceiveInto:
+    """Receive exactly len(target) payload bytes into `target`, then send `reply`."""
+
+    target: memoryview
+    reply: bytes
+
+
+@dataclass(slots=True)
+class Discard:
+    """Read and drop `count` payload bytes, then send `reply` (a refused write)."""
+
+    count: int
+    reply: bytes
+
+
+@dataclass(slots=True)
+class Send:
+    """Send `reply`, then `payload` (a slice of segment memory) if any."""
+
+    reply: bytes
+    payload: memoryview | None = None
+
+
+@dataclass(slots=True)
+class ReadHello:
+    """Read `count` bytes of handshake payload, then pass them to `on_hello`."""
+
+    count: int
+    request_id: int
+
+
+@dataclass(slots=True)
+class Close:
+    """Send `reply` (if any) and close: the stream cannot be trusted any more."""
+
+    reply: bytes | None
+    reason: str
+
+
+Action = ReceiveInto | Discard | Send | ReadHello | Close
+Resolver = Callable[[int], ServedSegment | None]
+
+
+class ServerProtocol:
+    """One data connection, server side. Feed headers; execute the actions returned."""
+
+    def __init__(self, resolve: Resolver, epoch: int) -> None:
+        self._resolve = resolve
+        self.epoch = epoch
+        self.authenticated = False
+        self.peer_identity = ""
+
+    def on_header(self, raw: bytes | bytearray | memoryview) -> Action:
+        try:
+            header = decode_header(raw)
+        except ProtocolError as exc:
+            return Close(error_reply(0, exc.reason, str(exc)), str(exc))
+        op = header.opcode
+        rid = header.request_id
+        if op == Op.HELLO:
+            if header.length > MAX_HELLO:
+                msg = f"handshake payload of {header.length} bytes exceeds {MAX_HELLO}"
+                return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
+            return ReadHello(header.length, rid)
+        if not self.authenticated:
+            msg = f"{Op(op).name} before handshake: send HELLO first"
+            return Close(error_reply(rid, Reason.NOT_AUTHENTICATED, msg), msg)
+        if op == Op.PING:
+            return Send(ok_reply(rid))
+        if op == Op.REPLY:
+            msg = "a client may not send REPLY frames"
+            return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
+        # WRITE or READ
+        if header.length == 0 or header.length > MAX_PAYLOAD:
+            msg = f"length {header.length} must be in [1, {MAX_PAYLOAD}]"
+            if op == Op.WRITE and header.length > MAX_PAYLOAD:
+                # the payload cannot be skipped safely: the stream is lost
+                return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
+            return Send(error_reply(rid, Reason.BAD_LENGTH, msg))
+        refusal = self._check(header)
+        if refusal is not None:
+            reason, msg = refusal
+            reply = error_reply(rid, reason, msg)
+            return Discard(header.length, reply) if op == Op.WRITE else Send(reply)
+        segment = self._resolve(header.segment_id)
+        assert segment is not None
+        offset = header.addr - segment.base
+        window = segment.memory[offset:offset + header.length]
+        if op == Op.WRITE:
+            return ReceiveInto(window, ok_reply(rid))
+        return Send(ok_reply(rid, header.length), window)
+
+    def on_hello(self, request_id: int, identity: bytes) -> Send:
+        self.authenticated = True
+        self.peer_identity = identity.decode("utf-8", "replace")
+        return Send(Header(Op.REPLY, request_id, epoch=self.epoch).pack())
+
+    def _check(self, header: Header) -> tuple[Reason, str] | None:
+        segment = self._resolve(header.segment_id)
+        if segment is None:
+            return Reason.UNKNOWN_SEGMENT, f"segment {header.segment_id} is not served here"
+        if header.epoch != segment.epoch:
+            return (Reason.STALE_EPOCH,
+                    f"segment {header.segment_id} epoch {header.epoch} is stale (now "
+                    f"{segment.epoch}): the agent restarted; reconnect to refresh the table")
+        need = Perm.WRITE if header.opcode == Op.WRITE else Perm.READ
+        if not segment.perms & need:
+            return (Reason.PERMISSION,
+                    f"segment {header.segment_id} does not allow "
+                    f"{'writes' if need == Perm.WRITE else 'reads'} (perms {segment.perms})")
+        end = header.addr + header.length
+        if header.addr < segment.base or end > segment.base + segment.length:
+            return (Reason.OUT_OF_RANGE,
+                    f"[{header.addr:#x}, {end:#x}) is outside segment {header.segment_id} "
+                    f"[{segment.base:#x}, {segment.base + segment.length:#x})")
+        return None
+
+
+# ---------------------------------------------------------------- client side
+
+class ClientProtocol:
+    """One data connection, client side: numbers requests and matches replies in order."""
+
+    def __init__(self) -> None:
+        self._next_id = 1
+        self._pending: deque[tuple[int, int, int]] = deque()  # (request id, opcode, length)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def _take_id(self, opcode: int, length: int) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        self._pending.append((rid, opcode, length))
+        return rid
+
+    def hello(self, identity: bytes = b"") -> bytes:
+        return hello(self._take_id(Op.HELLO, 0), identity)
+
+    def write(self, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
+        """Header of a WRITE; the caller sends `length` payload bytes right after it."""
+        return write_header(self._take_id(Op.WRITE, 0), segment_id, epoch, addr, length)
+
+    def read(self, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
+        return read_request(self._take_id(Op.READ, length), segment_id, epoch, addr, length)
+
+    def ping(self) -> bytes:
+        return Header(Op.PING, self._take_id(Op.PING, 0)).pack()
+
+    def on_reply_header(self, raw: bytes | bytearray | memoryview) -> Header:
+        """Check the next reply header against the oldest outstanding request.
+
+        Returns the header; the caller then reads `payload_length(header)` bytes (read data,
+        or error text when `header.flags & FLAG_ERROR_TEXT`). Raises ProtocolError when
+        the reply is not the one expected.
+        """
+        header = decode_header(raw)
+        if header.opcode != Op.REPLY:
+            raise ProtocolError(Reason.BAD_FRAME, f"expected REPLY, got opcode {header.opcode}")
+        if not self._pending:
+            raise ProtocolError(Reason.BAD_FRAME, f"unsolicited reply {header.request_id}")
+        rid, opcode, length = self._pending[0]
+        if header.request_id not in (rid, 0):
+            raise ProtocolError(Reason.BAD_FRAME,
+                                f"reply for request {header.request_id}, expected {rid}")
+        if header.flags & FLAG_ERROR_TEXT:
+            if header.length > MAX_ERROR_TEXT:
+                raise ProtocolError(Reason.BAD_FRAME, "error text too long")
+        elif header.status != errors.SUCCESS:
+            raise ProtocolError(Reason.BAD_FRAME, "error reply without a message")
+        elif opcode == Op.READ and header.length != length:
+            raise ProtocolError(Reason.BAD_FRAME,
+                                f"read reply carries {header.length} bytes, asked {length}")
+        elif opcode != Op.READ and header.length != 0:
+            raise ProtocolError(Reason.BAD_FRAME, "unexpected payload on a reply")
+        self._pending.popleft()
+        return header
+
+
+def reply_error(header: Header, text: bytes) -> errors.HixlError:
+    """The exception a refused request's reply stands for."""
+    message = text.decode("utf-8", "replace")
+    reason = header.reason
+    if reason == Reason.STALE_EPOCH:
+        return errors.StaleEpoch(message)
+    if reason == Reason.PERMISSION:
+        return errors.PermissionDenied(message)
+    if reason == Reason.OUT_OF_RANGE:
+        return errors.OutOfRange(message)
+    return errors.error_for_status(header.status or errors.FAILED, message)
