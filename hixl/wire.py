@@ -119,20 +119,24 @@ def payload_length(header: Header) -> int:
     return 0
 
 
+# The per-op encoders pack directly (no Header object): they run once per frame.
+_pack = HEADER.pack
+
+
 def hello(request_id: int, identity: bytes = b"") -> bytes:
-    return Header(Op.HELLO, request_id, length=len(identity)).pack() + identity
+    return _pack(MAGIC, VERSION, Op.HELLO, 0, 0, 0, 0, request_id, 0, 0, len(identity)) + identity
 
 
 def write_header(request_id: int, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
-    return Header(Op.WRITE, request_id, segment_id, epoch, addr, length).pack()
+    return _pack(MAGIC, VERSION, Op.WRITE, 0, 0, 0, epoch, request_id, segment_id, addr, length)
 
 
 def read_request(request_id: int, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
-    return Header(Op.READ, request_id, segment_id, epoch, addr, length).pack()
+    return _pack(MAGIC, VERSION, Op.READ, 0, 0, 0, epoch, request_id, segment_id, addr, length)
 
 
 def ok_reply(request_id: int, length: int = 0) -> bytes:
-    return Header(Op.REPLY, request_id, length=length).pack()
+    return _pack(MAGIC, VERSION, Op.REPLY, 0, 0, 0, 0, request_id, 0, 0, length)
 
 
 def error_reply(request_id: int, reason: Reason, message: str) -> bytes:
@@ -240,12 +244,13 @@ class ServerProtocol:
                 # the payload cannot be skipped safely: the stream is lost
                 return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
             return Send(error_reply(rid, Reason.BAD_LENGTH, msg))
-        refusal = self._check(header)
+        # resolve once: a second lookup could miss a segment deregistered in between
+        segment = self._resolve(header.segment_id)
+        refusal = self._check(header, segment)
         if refusal is not None:
             reason, msg = refusal
             reply = error_reply(rid, reason, msg)
             return Discard(header.length, reply) if op == Op.WRITE else Send(reply)
-        segment = self._resolve(header.segment_id)
         assert segment is not None
         offset = header.addr - segment.base
         window = segment.memory[offset:offset + header.length]
@@ -258,8 +263,7 @@ class ServerProtocol:
         self.peer_identity = identity.decode("utf-8", "replace")
         return Send(Header(Op.REPLY, request_id, epoch=self.epoch).pack())
 
-    def _check(self, header: Header) -> tuple[Reason, str] | None:
-        segment = self._resolve(header.segment_id)
+    def _check(self, header: Header, segment: ServedSegment | None) -> tuple[Reason, str] | None:
         if segment is None:
             return Reason.UNKNOWN_SEGMENT, f"segment {header.segment_id} is not served here"
         if header.epoch != segment.epoch:
@@ -267,7 +271,7 @@ class ServerProtocol:
                     f"segment {header.segment_id} epoch {header.epoch} is stale (now "
                     f"{segment.epoch}): the agent restarted; reconnect to refresh the table")
         need = Perm.WRITE if header.opcode == Op.WRITE else Perm.READ
-        if not segment.perms & need:
+        if not int(segment.perms) & need.value:  # int &: IntFlag's own & is slow per frame
             return (Reason.PERMISSION,
                     f"segment {header.segment_id} does not allow "
                     f"{'writes' if need == Perm.WRITE else 'reads'} (perms {segment.perms})")

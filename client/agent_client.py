@@ -1,0 +1,367 @@
+"""Clients of one agent: its gRPC Agent service, and its unix fd socket.
+
+`AgentClient` is blocking (a sync gRPC channel); every call has a deadline and failures
+raise the agent's own exception class (via hixl.control.error_from_rpc), or
+PeerUnavailable / TransferTimeout when the agent is gone or silent.
+
+`FdClient` keeps one SOCK_SEQPACKET connection to the agent's fd socket: it fetches
+segment fds to map (fabric path), deposits fds for registration, and answers `alive()`
+in about a microsecond (a zero-timeout poll for hang-up), cheap enough to call per transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import select
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from hixl.control import error_class, error_from_rpc, segment_from_pb
+from hixl.errors import (
+    HixlError,
+    NotConnected,
+    ParamInvalid,
+    PeerUnavailable,
+    TransferTimeout,
+    error_for_status,
+)
+from hixl.types import Perm, SegmentInfo
+from hixl.v1 import agent_pb2, agent_pb2_grpc
+
+PROTOCOL_VERSION = 1
+
+#: ping idle channels (watch streams) so a vanished agent ends them, not hangs them
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+_KIND_NAMES = {value: name for name, value in agent_pb2.SegmentEvent.Kind.items()}
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """What an agent said in the handshake: who it is and where its data paths are."""
+
+    engine: str
+    node_id: str
+    fabric_domain: str
+    epoch: int
+    data_tcp: str
+    data_unix: str
+    fd_socket: str
+    segments: list[SegmentInfo]
+
+
+class AgentClient:
+    """Blocking client of one agent's Agent service."""
+
+    def __init__(self, target: str, *, timeout: float = 5.0) -> None:
+        if not timeout or timeout <= 0:
+            raise ParamInvalid(f"agent client timeout must be positive, got {timeout}")
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = agent_pb2_grpc.AgentStub(self._channel)
+
+    def _call(self, method: str, request: Any, what: str, timeout: float | None) -> Any:
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, f"{what} at agent {self.target}") from None
+
+    def handshake(self, client_engine: str, timeout: float | None = None) -> AgentInfo:
+        reply = self._call("Handshake", agent_pb2.HandshakeRequest(
+            version=PROTOCOL_VERSION, client_engine=client_engine), "handshake", timeout)
+        return AgentInfo(
+            engine=reply.engine, node_id=reply.node_id, fabric_domain=reply.fabric_domain,
+            epoch=reply.epoch, data_tcp=reply.data_tcp, data_unix=reply.data_unix,
+            fd_socket=reply.fd_socket, segments=[segment_from_pb(s) for s in reply.segments])
+
+    def list_segments(self, timeout: float | None = None) -> tuple[int, list[SegmentInfo]]:
+        """(agent epoch, its segments)."""
+        reply = self._call("ListSegments", agent_pb2.ListSegmentsRequest(), "list segments",
+                           timeout)
+        return reply.epoch, [segment_from_pb(s) for s in reply.segments]
+
+    def allocate(self, size: int, perms: Perm = Perm.RW, name: str = "", owner: str = "",
+                 timeout: float | None = None) -> SegmentInfo:
+        """A new shm segment in the agent's pool (it stays until deregistered)."""
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ParamInvalid(f"allocate: size must be a positive integer, got {size!r}")
+        reply = self._call("AllocateSegment", agent_pb2.AllocateSegmentRequest(
+            size=size, perms=int(_perm(perms)), name=name, owner=owner),
+            f"allocate {size} bytes", timeout)
+        return segment_from_pb(reply.segment)
+
+    def register_fd(self, fd: int, length: int, fd_socket: str, perms: Perm = Perm.RW,
+                    name: str = "", owner: str = "", timeout: float | None = None
+                    ) -> SegmentInfo:
+        """Have the agent serve the memfd `fd` (deposited over `fd_socket`, then registered)."""
+        with FdClient(fd_socket, timeout=self.timeout if timeout is None else timeout) as fdc:
+            ticket = fdc.deposit(fd, length)
+        reply = self._call("RegisterSegment", agent_pb2.RegisterSegmentRequest(
+            fd_ticket=ticket, length=length, perms=int(_perm(perms)), name=name, owner=owner),
+            f"register {length} bytes", timeout)
+        return segment_from_pb(reply.segment)
+
+    def deregister(self, segment_id: int, epoch: int, timeout: float | None = None) -> None:
+        self._call("DeregisterSegment", agent_pb2.DeregisterSegmentRequest(
+            segment_id=segment_id, epoch=epoch), f"deregister segment {segment_id}", timeout)
+
+    def health(self, timeout: float | None = None) -> dict[str, Any]:
+        reply = self._call("Health", agent_pb2.HealthRequest(), "health", timeout)
+        return {"status": reply.status, "engine": reply.engine, "node_id": reply.node_id,
+                "epoch": reply.epoch, "uptime_s": reply.uptime_s}
+
+    def stats(self, timeout: float | None = None) -> dict[str, int]:
+        reply = self._call("Stats", agent_pb2.StatsRequest(), "stats", timeout)
+        return dict(reply.counters)
+
+    def watch(self, timeout: float | None = None) -> SegmentWatch:
+        """Iterate ("SNAPSHOT" | "ADDED" | "REMOVED", epoch, segments), snapshot first.
+
+        Runs until the agent goes away (raises PeerUnavailable), `timeout` seconds pass
+        (None: no limit; then raises TransferTimeout), or `close()` is called on the
+        returned iterator (from any thread; iteration then just ends).
+        """
+        call = self._stub.WatchSegments(agent_pb2.WatchSegmentsRequest(), timeout=timeout)
+        return SegmentWatch(call, f"watch segments at agent {self.target}")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SegmentWatch:
+    """An agent's segment-change stream; `close()` (any thread) ends the iteration."""
+
+    def __init__(self, call: Any, what: str) -> None:
+        self._call = call
+        self._what = what
+        self._closed = False
+
+    def __iter__(self) -> SegmentWatch:
+        return self
+
+    def __next__(self) -> tuple[str, int, list[SegmentInfo]]:
+        if self._closed:
+            raise StopIteration
+        try:
+            event = next(self._call)
+        except grpc.RpcError as exc:
+            if self._closed:
+                raise StopIteration from None
+            raise error_from_rpc(exc, self._what) from None
+        return (_KIND_NAMES.get(event.kind, str(event.kind)), event.epoch,
+                [segment_from_pb(s) for s in event.segments])
+
+    def close(self) -> None:
+        self._closed = True
+        self._call.cancel()
+
+    def __enter__(self) -> SegmentWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _perm(perms: Perm) -> Perm:
+    if isinstance(perms, bool) or not isinstance(perms, int) or int(perms) & ~int(Perm.RW) \
+            or not perms:
+        raise ParamInvalid(f"perms must be Perm.READ, Perm.WRITE or Perm.RW, got {perms!r}")
+    return Perm(perms)
+
+
+# ---------------------------------------------------------------- fd socket
+
+_TIMEVAL = struct.Struct("ll")
+_HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
+_REPLY_MAX = 8192
+
+
+class FdClient:
+    """One SOCK_SEQPACKET connection to an agent's fd socket (thread-safe)."""
+
+    def __init__(self, path: str, *, timeout: float = 5.0) -> None:
+        if not timeout or timeout <= 0:
+            raise ParamInvalid(f"fd client timeout must be positive, got {timeout}")
+        self.path = path
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        # Kernel-level timeouts keep the socket in blocking mode, so alive()'s MSG_DONTWAIT
+        # peek is a single syscall with no poll() in front of it.
+        seconds = int(timeout)
+        tv = _TIMEVAL.pack(seconds, int((timeout - seconds) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR):
+                raise NotConnected(
+                    f"no agent fd socket at {path}: {exc.strerror} (agent not running, "
+                    "or on another node?)") from None
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                raise NotConnected(
+                    f"agent fd socket {path}: {exc.strerror} (socket_mode / allowed_uids)"
+                ) from None
+            if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise TransferTimeout(f"agent fd socket {path}: connect timed out") from None
+            raise PeerUnavailable(f"agent fd socket {path}: connect failed: {exc}") from None
+        self._sock: socket.socket | None = sock
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN | select.POLLRDHUP)
+
+    # ------------------------------------------------------------ operations
+
+    def fetch(self, segment_id: int, epoch: int, writable: bool) -> tuple[int, int]:
+        """(fd, length) of a segment to map; the caller closes the fd.
+
+        A read-only request gets an O_RDONLY fd; a write request on a read-only segment
+        raises PermissionDenied; unknown segments ParamInvalid; stale epochs StaleEpoch.
+        """
+        reply, fds = self._request(
+            {"op": "get_fd", "segment_id": segment_id, "epoch": epoch, "write": bool(writable)},
+            f"fetch fd of segment {segment_id}")
+        if len(fds) != 1 or not isinstance(reply.get("length"), int):
+            for fd in fds:
+                os.close(fd)
+            raise PeerUnavailable(
+                f"agent fd socket {self.path}: malformed get_fd reply {reply!r} "
+                f"with {len(fds)} fds")
+        return fds[0], reply["length"]
+
+    def deposit(self, fd: int, length: int) -> str:
+        """Hand `fd` to the agent (it gets its own copy); returns a ticket for RegisterSegment."""
+        reply, fds = self._request({"op": "deposit", "length": length}, "deposit fd",
+                                   send_fd=fd)
+        for extra in fds:
+            os.close(extra)
+        ticket = reply.get("ticket")
+        if not isinstance(ticket, str):
+            raise PeerUnavailable(f"agent fd socket {self.path}: no ticket in {reply!r}")
+        return ticket
+
+    def ping(self) -> dict[str, Any]:
+        reply, fds = self._request({"op": "ping"}, "ping")
+        for extra in fds:
+            os.close(extra)
+        return reply
+
+    def alive(self) -> bool:
+        """True while the agent end is open: no round trip, about a microsecond.
+
+        A zero-timeout poll() for hang-up on the connection (a dead agent's kernel closes
+        it); if another thread is polling at the same moment, one non-blocking MSG_PEEK.
+        """
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            events = self._poll.poll(0)
+        except RuntimeError:  # concurrent poll() on this object from another thread
+            pass
+        else:
+            return not any(mask & _HANGUP for _, mask in events)
+        try:
+            data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return True  # nothing to read: the peer is there and quiet
+        except OSError:
+            return False
+        return bool(data)  # b"" is end-of-file: the agent closed (or died)
+
+    def close(self) -> None:
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def __enter__(self) -> FdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _request(self, request: dict[str, Any], what: str, send_fd: int | None = None
+                 ) -> tuple[dict[str, Any], list[int]]:
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise NotConnected(f"{what}: the fd socket client for {self.path} is closed")
+            payload = json.dumps(request).encode()
+            try:
+                if send_fd is None:
+                    sock.send(payload)
+                else:
+                    socket.send_fds(sock, [payload], [send_fd])
+                data, fds, flags, _ = socket.recv_fds(sock, _REPLY_MAX, 4)
+            except (BlockingIOError, TimeoutError):
+                self._broken()
+                raise TransferTimeout(
+                    f"{what}: agent fd socket {self.path} did not answer within "
+                    f"{self.timeout} s") from None
+            except OSError as exc:
+                self._broken()
+                raise PeerUnavailable(f"{what}: agent fd socket {self.path}: {exc}") from None
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            self._broken()
+            raise PeerUnavailable(f"{what}: agent fd socket {self.path} closed the connection "
+                                  "(agent stopped or died)")
+        try:
+            reply = json.loads(data)
+            if not isinstance(reply, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            for fd in fds:
+                os.close(fd)
+            raise PeerUnavailable(
+                f"{what}: agent fd socket {self.path} sent a malformed reply") from None
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise HixlError(f"{what}: fds were truncated (out of file descriptors?)")
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            raise _reply_error(reply, what)
+        return reply, fds
+
+    def _broken(self) -> None:
+        """After a timeout or I/O error the request/reply pairing is lost: drop the socket."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def _reply_error(reply: dict[str, Any], what: str) -> HixlError:
+    message = f"{what}: {reply.get('error', 'refused')}"
+    status = reply.get("status")
+    cls = error_class(str(reply.get("kind", "")))
+    if cls is not None:
+        return cls(message, status=status if isinstance(status, int) else None)
+    return error_for_status(status if isinstance(status, int) else 503900, message)

@@ -1,0 +1,908 @@
+"""`hixl bench`: PUT/GET throughput and latency, with same-run baselines to compare against.
+
+One run measures the engine on both data paths — fabric (mapped segment + memmove) and
+socket (streamed through the agent) — and, interleaved with it so that machine noise hits
+both alike, the limits those paths are built on: memcpy between two local pre-faulted
+buffers for the fabric path, and a raw Python socket stream (a separate process that
+`recv_into`s / `sendall`s a preallocated buffer, over a unix socket and over TCP loopback)
+for the socket path. Every engine cell ends by checking, through the *other* path, that
+the bytes it moved are the right ones: a benchmark that moves wrong bytes is worthless.
+
+`python -m hixl.client.bench --raw-server ...` runs the raw stream peer (used internally).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import platform
+import queue
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import numpy as np
+
+from hixl.errors import HixlError, TransferFailed
+from hixl.memory import ShmSegment
+from hixl.types import TransferOp, TransferOpDesc
+
+KIB = 1024
+MIB = 1024 * KIB
+DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 8784 * KIB, 64 * MIB)
+HIXL_BLOCK = 8784 * KIB  # HIXL's published benchmark block (one layer of KV cache)
+PATHS = ("fabric", "socket")
+PATH_OPTION = {"fabric": "1", "socket": "0"}  # OPTION_ENABLE_USE_FABRIC_MEM per path
+OPS = {"write": TransferOp.WRITE, "read": TransferOp.READ}
+MODES = ("sync", "async")
+SAMPLE_WINDOW = 256 * KIB  # verified bytes at each end of the first and last block
+AGENT_START_TIMEOUT_S = 60.0
+RAW_READY = "HIXL-RAW-READY"
+
+_memmove = ctypes.memmove
+
+
+def default_batches(block: int) -> tuple[int, ...]:
+    """Small blocks are moved in big batches in practice (KV pages), large ones in few."""
+    return (1, 256) if block <= 64 * KIB else (1, 8)
+
+
+def human_size(n: int) -> str:
+    """4096 -> '4K', 8994816 -> '8784K', 67108864 -> '64M'."""
+    for unit, scale in (("G", 1 << 30), ("M", MIB), ("K", KIB)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+@dataclass
+class BenchConfig:
+    """What to measure; the defaults are the full matrix in about 1-2 minutes on 2 cores."""
+
+    agent: str | None = None  # "host:port" of a running agent; None starts one
+    paths: tuple[str, ...] = PATHS
+    ops: tuple[str, ...] = tuple(OPS)
+    modes: tuple[str, ...] = MODES
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    batches: tuple[int, ...] | None = None  # None: default_batches(block)
+    seconds: float = 0.5  # measured time per cell (after warm-up)
+    iterations: int = 100_000  # and at most this many calls per cell
+    warmup: int = 3  # calls before measuring (also bounded by a tenth of `seconds`)
+    depth: int = 4  # async requests in flight
+    max_call_bytes: int = 256 * MIB  # batches are shrunk so one call moves at most this
+    timeout: float = 30.0  # per transfer call
+    matrix: bool = True
+    hixl_style: bool = True
+    hixl_block: int = HIXL_BLOCK
+    hixl_transfers: int = 100
+
+    def batches_for(self, block: int) -> list[int]:
+        """The batch sizes for `block`, capped by max_call_bytes, without duplicates."""
+        wanted = self.batches or default_batches(block)
+        cap = max(1, self.max_call_bytes // block)
+        out: list[int] = []
+        for batch in wanted:
+            batch = min(batch, cap)
+            if batch not in out:
+                out.append(batch)
+        return out
+
+    def largest_call(self) -> int:
+        calls = [block * batch for block in self.sizes for batch in self.batches_for(block)]
+        if self.hixl_style:
+            calls.append(self.hixl_block)
+        return max(calls) if calls else self.hixl_block
+
+
+# ---------------------------------------------------------------- timing
+
+
+@dataclass
+class Timing:
+    """Per-call latencies (ns) and the wall time of the measured loop."""
+
+    latencies_ns: list[int]
+    wall_s: float
+
+    def summary(self, bytes_per_call: int, descs_per_call: int) -> dict[str, float]:
+        lat = np.asarray(self.latencies_ns, dtype=np.float64) / 1e3
+        calls = len(self.latencies_ns)
+        wall = max(self.wall_s, 1e-9)
+        return {
+            "calls": calls,
+            "seconds": round(self.wall_s, 6),
+            "gbps": bytes_per_call * calls / wall / 1e9,
+            "ops_per_s": descs_per_call * calls / wall,
+            "calls_per_s": calls / wall,
+            "mean_us": float(lat.mean()),
+            "p50_us": float(np.percentile(lat, 50)),
+            "p99_us": float(np.percentile(lat, 99)),
+            # throughput of the median call: robust to a neighbour stealing the CPU
+            "p50_gbps": bytes_per_call / float(np.percentile(lat, 50)) / 1e3,
+        }
+
+
+def _warm_up(call: Callable[[], Any], count: int, budget_s: float) -> None:
+    stop = time.perf_counter() + budget_s
+    for i in range(count):
+        call()
+        if i and time.perf_counter() > stop:
+            return
+
+
+def time_sync(call: Callable[[], Any], config: BenchConfig, min_calls: int = 2) -> Timing:
+    """Run `call` back to back until `config.seconds` or `config.iterations` is reached."""
+    _warm_up(call, config.warmup, config.seconds / 10)
+    clock = time.perf_counter_ns
+    latencies: list[int] = []
+    append = latencies.append
+    limit = config.iterations
+    start = last = clock()
+    stop = start + int(config.seconds * 1e9)
+    while True:
+        call()
+        now = clock()
+        append(now - last)
+        last = now
+        if len(latencies) >= limit or (now >= stop and len(latencies) >= min_calls):
+            break
+    return Timing(latencies, (last - start) / 1e9)
+
+
+def time_async(submit: Callable[[], Any], config: BenchConfig, min_calls: int = 2) -> Timing:
+    """Keep `config.depth` requests in flight; a call's latency is submit -> wait() returns."""
+    _warm_up(lambda: submit().wait(), config.warmup, config.seconds / 10)
+    clock = time.perf_counter_ns
+    latencies: list[int] = []
+    pending: deque[tuple[int, Any]] = deque()
+    submitted = 0
+    start = clock()
+    stop = start + int(config.seconds * 1e9)
+    while True:
+        while len(pending) < config.depth and submitted < config.iterations and (
+                submitted < min_calls or clock() < stop):
+            pending.append((clock(), submit()))
+            submitted += 1
+        if not pending:
+            break
+        began, request = pending.popleft()
+        request.wait()
+        latencies.append(clock() - began)
+    return Timing(latencies, (clock() - start) / 1e9)
+
+
+# ---------------------------------------------------------------- the agent under test
+
+
+class _OutputPump:
+    """Drains a child's merged stdout/stderr (so it never blocks), keeps the tail, and
+    catches hixl-agent's ready line: "hixl-agent serving engine=HOST:PORT ..."."""
+
+    READY_PREFIX = "hixl-agent serving "
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: deque[str] = deque(maxlen=40)
+        self.engine_name: str | None = None
+        self.ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True,
+                                        name="hixl-bench-pump")
+        self._thread.start()
+
+    def _run(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line.rstrip())
+            if line.startswith(self.READY_PREFIX) and not self.ready.is_set():
+                fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
+                self.engine_name = fields.get("engine")
+                self.ready.set()
+        self.ready.set()  # EOF: the agent exited; wait_ready reports it
+
+    def tail(self) -> str:
+        return "\n".join(self.lines) or "(no output)"
+
+
+class AgentProcess:
+    """A private `hixl-agent` (free ports, temporary runtime dir), stopped by stop()."""
+
+    def __init__(self, pool_bytes: int) -> None:
+        self.runtime_dir = tempfile.mkdtemp(prefix="hixl-bench-")
+        self.name = ""
+        self.config_path = os.path.join(self.runtime_dir, "agent.yaml")
+        with open(self.config_path, "w", encoding="utf-8") as f:
+            f.write(f"host: 127.0.0.1\ngrpc_port: 0\ndata_port: 0\ndata_unix: true\n"
+                    f"runtime_dir: {self.runtime_dir}\npool_max_bytes: {pool_bytes}\n"
+                    "log_level: WARNING\n")
+        # HIXL_AGENT_* variables would override the file: the bench's agent ignores them.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_AGENT_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c",
+             "import sys; from hixl.server.main import agent_main; sys.exit(agent_main())",
+             "--config", self.config_path],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=env, start_new_session=True)
+        assert self.proc.stdout is not None
+        self.output = _OutputPump(self.proc.stdout)
+
+    def wait_ready(self, timeout: float = AGENT_START_TIMEOUT_S) -> str:
+        """The agent's engine name, once it prints its ready line."""
+        if not self.output.ready.wait(timeout):
+            raise RuntimeError(f"hixl-agent not ready after {timeout:.0f} s:\n"
+                               f"{self.output.tail()}")
+        if self.output.engine_name is None:
+            self.proc.wait(5)
+            raise RuntimeError(f"hixl-agent exited with status {self.proc.returncode} "
+                               f"before it was ready:\n{self.output.tail()}")
+        self.name = self.output.engine_name
+        return self.name
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- raw socket baseline
+
+# Request of the raw stream protocol: op (1 write, 2 read, 0 bye), block, count.
+_RAW_REQ = struct.Struct("!BxxxxxxxQQ")
+_RAW_WRITE, _RAW_READ, _RAW_BYE = 1, 2, 0
+_IO_TIMEOUT_S = 60.0
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("raw stream peer closed the connection")
+        got += n
+
+
+def _raw_serve_connection(conn: socket.socket, buffer: np.ndarray) -> None:
+    view = memoryview(buffer)
+    header = bytearray(_RAW_REQ.size)
+    with conn:
+        conn.settimeout(_IO_TIMEOUT_S)
+        while True:
+            try:
+                _recv_exact_into(conn, memoryview(header))
+            except (ConnectionError, OSError):
+                return
+            op, block, count = _RAW_REQ.unpack(header)
+            if op == _RAW_BYE or block * count > len(view):
+                return
+            if op == _RAW_WRITE:
+                _recv_exact_into(conn, view[:block * count])
+                conn.sendall(b"\x01")
+            else:
+                for i in range(count):
+                    conn.sendall(view[i * block:(i + 1) * block])
+
+
+def raw_server_main(argv: Sequence[str] | None = None) -> int:
+    """The raw stream peer: serves unix and TCP loopback until its stdin closes."""
+    parser = argparse.ArgumentParser(prog="hixl-bench-raw-server")
+    parser.add_argument("--raw-server", action="store_true", required=True)
+    parser.add_argument("--unix", required=True)
+    parser.add_argument("--buffer", type=int, required=True)
+    args = parser.parse_args(argv)
+    buffer = np.ones(args.buffer, dtype=np.uint8)  # written once: pre-faulted
+    tcp = socket.create_server(("127.0.0.1", 0))
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(args.unix)
+    unix.listen()
+    selector = selectors.DefaultSelector()
+    selector.register(tcp, selectors.EVENT_READ)
+    selector.register(unix, selectors.EVENT_READ)
+    selector.register(sys.stdin, selectors.EVENT_READ)
+    print(f"{RAW_READY} {tcp.getsockname()[1]}", flush=True)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is sys.stdin:
+                if not sys.stdin.readline():  # parent gone or done
+                    return 0
+                continue
+            conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
+            if conn.family == socket.AF_INET:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=_raw_serve_connection, args=(conn, buffer),
+                             daemon=True).start()
+
+
+class RawStreamServer:
+    """The raw-stream peer process (unix socket + TCP loopback), one per bench run."""
+
+    def __init__(self, buffer_bytes: int, workdir: str) -> None:
+        self.unix_path = os.path.join(workdir, "raw.sock")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hixl.client.bench", "--raw-server",
+             "--unix", self.unix_path, "--buffer", str(buffer_bytes)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout],  # type: ignore[union-attr]
+                         daemon=True).start()
+        try:
+            line = lines.get(timeout=AGENT_START_TIMEOUT_S)
+        except queue.Empty:
+            self.stop()
+            raise RuntimeError("raw stream server did not start") from None
+        if not line.startswith(RAW_READY):
+            self.stop()
+            raise RuntimeError(f"raw stream server failed: {line.strip()}")
+        self.tcp_port = int(line.split()[1])
+
+    def connect(self, kind: str) -> RawStreamClient:
+        if kind == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(_IO_TIMEOUT_S)
+            sock.connect(self.unix_path)
+        else:
+            sock = socket.create_connection(("127.0.0.1", self.tcp_port), timeout=_IO_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return RawStreamClient(sock)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class RawStreamClient:
+    """One connection to the raw peer; a call moves `count` blocks as the engine would."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._ack = memoryview(bytearray(1))
+
+    def write(self, blocks: Sequence[memoryview]) -> None:
+        """PUT shape: request, then each block with sendall, then a 1-byte ack."""
+        self.sock.sendall(_RAW_REQ.pack(_RAW_WRITE, len(blocks[0]), len(blocks)))
+        for block in blocks:
+            self.sock.sendall(block)
+        _recv_exact_into(self.sock, self._ack)
+
+    def read(self, into: memoryview, block: int, count: int) -> None:
+        """GET shape: request, then recv_into the whole batch."""
+        self.sock.sendall(_RAW_REQ.pack(_RAW_READ, block, count))
+        _recv_exact_into(self.sock, into[:block * count])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.sendall(_RAW_REQ.pack(_RAW_BYE, 0, 0))
+        self.sock.close()
+
+
+# ---------------------------------------------------------------- engine side
+
+
+class BenchFailure(RuntimeError):
+    """The engine moved wrong bytes or could not run a cell: the run is aborted."""
+
+
+@dataclass
+class Side:
+    """One engine (one data path) with its registered local buffer and verify buffer."""
+
+    path: str
+    engine: Any
+    local: np.ndarray
+    verify: np.ndarray
+    fabric_used: bool = False
+    socket_kind: str = "unknown"
+    handles: list[Any] = field(default_factory=list)
+
+    @property
+    def local_addr(self) -> int:
+        return int(self.local.ctypes.data)
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
+    """A pre-faulted (written once), page-aligned byte buffer."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    raw = np.ones(nbytes + page, dtype=np.uint8)
+    start = -raw.ctypes.data % page
+    return raw[start:start + nbytes]
+
+
+def _path_facts(engine: Any, agent: str) -> tuple[bool, str]:
+    """(fabric mapping available, socket kind "unix"/"tcp") for the connection to `agent`.
+
+    Reads the engine's peer record; the bench reports which path each engine really took.
+    """
+    peer = getattr(engine, "_peers", {}).get(agent)
+    if peer is None:
+        return False, "unknown"
+    address = str(getattr(peer, "socket_address", ""))
+    kind = "unix" if address.startswith("unix://") else "tcp" if address else "unknown"
+    return getattr(peer, "fabric", None) is not None, kind
+
+
+def sample_windows(block: int, batch: int) -> list[tuple[int, int]]:
+    """(offset, length) ranges checked after a cell: both ends of the first and last block."""
+    span = min(block, SAMPLE_WINDOW)
+    windows: list[tuple[int, int]] = []
+    for index in sorted({0, batch - 1}):
+        start = index * block
+        for offset in sorted({start, start + block - span}):
+            if not windows or windows[-1][0] + windows[-1][1] <= offset:
+                windows.append((offset, span))
+    return windows
+
+
+class Bench:
+    """The whole run: the agent, one engine per path, the remote segment, the baselines."""
+
+    def __init__(self, config: BenchConfig, progress: IO[str] | None = None) -> None:
+        self.config = config
+        self.progress = progress
+        self.call_bytes = config.largest_call()
+        self.rng = np.random.default_rng(20240601)
+        self._stack = contextlib.ExitStack()
+        self.sides: dict[str, Side] = {}
+        self.remote_base = 0
+        self.agent = ""
+        self.cells: list[dict[str, Any]] = []
+        self._step = 0
+        self._steps = 0
+
+    # ---- set-up and tear-down
+
+    def __enter__(self) -> Bench:
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    def _open(self) -> None:
+        from hixl.client.engine import Engine
+
+        config = self.config
+        if config.agent:
+            self.agent = config.agent
+        else:
+            agent = AgentProcess(pool_bytes=2 * self.call_bytes + 64 * MIB)
+            self._stack.callback(agent.stop)
+            self._note("starting hixl-agent")
+            self.agent = agent.wait_ready()
+        self.workdir = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="hixl-raw-"))
+        verify_bytes = sum(n for _, n in self._all_windows()) or 1
+        for path in PATHS:  # both engines always: each verifies the other's cells
+            engine = Engine("127.0.0.1", {"EnableUseFabricMem": PATH_OPTION[path]})
+            self._stack.callback(engine.close)
+            self._connect(engine)
+            side = Side(path, engine, _page_aligned(self.call_bytes), _page_aligned(verify_bytes))
+            side.handles = [engine.register(side.local), engine.register(side.verify)]
+            self.sides[path] = side
+        segment = self.sides["fabric"].engine.allocate(self.agent, self.call_bytes, "rw",
+                                                       "hixl-bench")
+        self.remote_base = segment.base
+        for side in self.sides.values():
+            # one tiny transfer makes each engine open its path, so the facts are real
+            side.engine.transfer(self.agent, TransferOp.READ,
+                                 [TransferOpDesc(side.local_addr, self.remote_base, 1)],
+                                 self.config.timeout)
+            side.fabric_used, side.socket_kind = _path_facts(side.engine, self.agent)
+        self.socket_kind = self.sides["socket"].socket_kind
+        self.raw = RawStreamServer(self.call_bytes, self.workdir)
+        self._stack.callback(self.raw.stop)
+        if "fabric" in config.paths and config.matrix:
+            self.shm = ShmSegment(self.call_bytes, name="hixl-bench")
+            self._stack.callback(self.shm.close)
+
+    def _connect(self, engine: Any) -> None:
+        """Connect, retrying briefly: a just-started agent may accept before it serves."""
+        deadline = time.monotonic() + AGENT_START_TIMEOUT_S
+        while True:
+            try:
+                engine.connect(self.agent, timeout=5.0)
+                return
+            except HixlError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _all_windows(self) -> Iterator[tuple[int, int]]:
+        for block in self.config.sizes:
+            for batch in self.config.batches_for(block):
+                yield from sample_windows(block, batch)
+        yield from sample_windows(self.config.hixl_block, 1)
+
+    # ---- progress
+
+    def _note(self, text: str) -> None:
+        if self.progress is None:
+            return
+        step = f"[{self._step}/{self._steps}] " if self._steps else ""
+        line = f"\rhixl bench {step}{text}"
+        self.progress.write(line[:100].ljust(100))
+        self.progress.flush()
+
+    def _advance(self, text: str) -> None:
+        self._step += 1
+        self._note(text)
+
+    # ---- the run
+
+    def run(self) -> dict[str, Any]:
+        config = self.config
+        grid = [(block, batch) for block in config.sizes for batch in config.batches_for(block)]
+        per_grid = ((2 + len(config.ops) if "fabric" in config.paths else 0)
+                    + (2 * len(config.ops) if "socket" in config.paths else 0)
+                    + len(config.paths) * len(config.ops) * len(config.modes))
+        self._steps = (len(grid) * per_grid if config.matrix else 0) + (
+            len(config.paths) * len(config.ops) if config.hixl_style else 0)
+        if config.matrix:
+            for block, batch in grid:
+                self._run_grid_point(block, batch)
+        hixl_style = self._run_hixl_style() if config.hixl_style else []
+        if self.progress is not None:
+            self.progress.write("\r" + " " * 100 + "\r")
+            self.progress.flush()
+        return {
+            "version": 1,
+            "agent": self.agent,
+            "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                     "python": platform.python_version()},
+            "config": {**asdict(config), "paths": list(config.paths)},
+            "paths": {path: {"fabric_mapped": side.fabric_used, "socket": side.socket_kind}
+                      for path, side in self.sides.items()},
+            "socket_baseline": f"raw-{self.socket_kind}",
+            "cells": self.cells,
+            "hixl_style": hixl_style,
+            "targets": evaluate_targets(self.cells),
+            "verified": all(cell.get("verified", True) for cell in self.cells + hixl_style),
+        }
+
+    def _run_grid_point(self, block: int, batch: int) -> None:
+        """Baselines around the engine cells, so each ratio compares like moments.
+
+        memcpy runs before and after the engine cells and the better run is the
+        denominator (a noisy neighbour must not flatter the engine).
+        """
+        config = self.config
+        label = f"{human_size(block)} x{batch}"
+        fabric = "fabric" in config.paths
+        baselines: dict[str, dict[str, Any]] = {}
+        memcpy_runs: list[dict[str, Any]] = []
+        if fabric:
+            self._advance(f"memcpy {label}")
+            memcpy_runs.append(self._memcpy_summary(block, batch))
+            for op in config.ops:
+                self._advance(f"memcpy-shm {op} {label}")
+                baselines[f"memcpy-shm/{op}"] = self._memcpy_shm_cell(op, block, batch)
+        if "socket" in config.paths:
+            for op in config.ops:
+                for kind in ("unix", "tcp"):
+                    self._advance(f"raw-{kind} {op} {label}")
+                    baselines[f"raw-{kind}/{op}"] = self._raw_cell(kind, op, block, batch)
+        cells = []
+        for path in config.paths:
+            for op in config.ops:
+                for mode in config.modes:
+                    self._advance(f"{path} {op} {mode} {label}")
+                    cells.append(self._engine_cell(path, op, mode, block, batch))
+        if fabric:
+            self._advance(f"memcpy again {label}")
+            memcpy_runs.append(self._memcpy_summary(block, batch))
+            best = max(memcpy_runs, key=lambda run: run["gbps"])
+            memcpy = self._record({"kind": "baseline", "name": "memcpy", "path": "fabric",
+                                   "op": "copy", "mode": "sync", "block": block, "batch": batch,
+                                   **best, "runs_gbps": [run["gbps"] for run in memcpy_runs]})
+        for cell in cells:
+            if cell["path"] == "fabric":
+                _compare(cell, "memcpy", memcpy)
+                cell["shm_ratio"] = _ratio(cell, baselines[f"memcpy-shm/{cell['op']}"])
+            else:
+                kind = self.socket_kind if self.socket_kind in ("unix", "tcp") else "unix"
+                _compare(cell, f"raw-{kind}", baselines[f"raw-{kind}/{cell['op']}"])
+
+    def _record(self, cell: dict[str, Any]) -> dict[str, Any]:
+        self.cells.append(cell)
+        return cell
+
+    def _memcpy_summary(self, block: int, batch: int) -> dict[str, Any]:
+        """memcpy between two private pre-faulted buffers, one memmove per descriptor."""
+        return self._copy_timing(self.sides["fabric"].local_addr, self.sides["socket"].local_addr,
+                                 block, batch)
+
+    def _memcpy_shm_cell(self, op: str, block: int, batch: int) -> dict[str, Any]:
+        """memcpy to/from a local shm segment: the page kind the fabric path maps."""
+        local, shm = self.sides["fabric"].local_addr, self.shm.addr
+        dst, src = (shm, local) if op == "write" else (local, shm)
+        return self._record({"kind": "baseline", "name": "memcpy-shm", "path": "fabric",
+                             "op": op, "mode": "sync", "block": block, "batch": batch,
+                             **self._copy_timing(dst, src, block, batch)})
+
+    def _copy_timing(self, dst: int, src: int, block: int, batch: int) -> dict[str, Any]:
+        copies = [(dst + i * block, src + i * block, block) for i in range(batch)]
+
+        def call() -> None:
+            for d, s, n in copies:
+                _memmove(d, s, n)
+
+        return time_sync(call, self.config).summary(block * batch, batch)
+
+    def _raw_cell(self, kind: str, op: str, block: int, batch: int) -> dict[str, Any]:
+        client = self.raw.connect(kind)
+        try:
+            view = memoryview(self.sides["socket"].local)
+            if op == "write":
+                blocks = [view[i * block:(i + 1) * block] for i in range(batch)]
+                timing = time_sync(lambda: client.write(blocks), self.config)
+            else:
+                timing = time_sync(lambda: client.read(view, block, batch), self.config)
+        finally:
+            client.close()
+        return self._record({"kind": "baseline", "name": f"raw-{kind}", "path": "socket",
+                             "op": op, "mode": "sync", "block": block, "batch": batch,
+                             **timing.summary(block * batch, batch)})
+
+    def _descs(self, side: Side, block: int, batch: int) -> list[TransferOpDesc]:
+        return [TransferOpDesc(side.local_addr + i * block, self.remote_base + i * block, block)
+                for i in range(batch)]
+
+    def _engine_cell(self, path: str, op: str, mode: str, block: int, batch: int) -> dict[str, Any]:
+        side = self.sides[path]
+        engine, agent, timeout = side.engine, self.agent, self.config.timeout
+        transfer_op = OPS[op]
+        descs = self._descs(side, block, batch)
+        windows = sample_windows(block, batch)
+        expected = self._prepare(side, transfer_op, windows)
+        try:
+            if mode == "sync":
+                timing = time_sync(lambda: engine.transfer(agent, transfer_op, descs, timeout),
+                                   self.config)
+            else:
+                timing = time_async(
+                    lambda: engine.transfer_async(agent, transfer_op, descs, timeout), self.config)
+        except HixlError as exc:
+            raise BenchFailure(f"{path} {op} {mode} {human_size(block)} x{batch}: "
+                               f"transfer failed: {exc}") from exc
+        self._check(side, transfer_op, windows, expected, f"{path} {op} {mode} "
+                    f"{human_size(block)} x{batch}")
+        return self._record({"kind": "engine", "path": path, "op": op, "mode": mode,
+                             "block": block, "batch": batch,
+                             **timing.summary(block * batch, batch), "verified": True})
+
+    # ---- correctness: every cell's bytes are checked through the other engine
+
+    def _other(self, side: Side) -> Side:
+        return self.sides["socket" if side.path == "fabric" else "fabric"]
+
+    def _prepare(self, side: Side, op: TransferOp, windows: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Fresh random bytes in the source windows (remote ones written via the other path)."""
+        expected = [self.rng.integers(0, 256, size=n, dtype=np.uint8) for _, n in windows]
+        if op == TransferOp.WRITE:
+            for (offset, n), data in zip(windows, expected, strict=True):
+                side.local[offset:offset + n] = data
+        else:
+            self._through_other(side, TransferOp.WRITE, windows, expected)
+        return expected
+
+    def _check(self, side: Side, op: TransferOp, windows: list[tuple[int, int]],
+               expected: list[np.ndarray], label: str) -> None:
+        if op == TransferOp.WRITE:
+            got = self._through_other(side, TransferOp.READ, windows, None)
+        else:
+            got = [side.local[offset:offset + n] for offset, n in windows]
+        for (offset, n), want, have in zip(windows, expected, got, strict=True):
+            if not np.array_equal(want, have):
+                bad = int(np.flatnonzero(want != have)[0])
+                raise BenchFailure(
+                    f"{label}: WRONG BYTES at call offset {offset + bad} (window "
+                    f"[{offset}, +{n})): expected {int(want[bad])}, found {int(have[bad])}")
+
+    def _through_other(self, side: Side, op: TransferOp, windows: list[tuple[int, int]],
+                       data: list[np.ndarray] | None) -> list[np.ndarray]:
+        """WRITE `data` into, or READ back, the remote windows using the other engine."""
+        other = self._other(side)
+        descs = []
+        slots = []
+        cursor = 0
+        for offset, n in windows:
+            slots.append(other.verify[cursor:cursor + n])
+            descs.append(TransferOpDesc(int(other.verify.ctypes.data) + cursor,
+                                        self.remote_base + offset, n))
+            cursor += n
+        if data is not None:
+            for slot, chunk in zip(slots, data, strict=True):
+                slot[:] = chunk
+        try:
+            other.engine.transfer(self.agent, op, descs, self.config.timeout)
+        except HixlError as exc:
+            raise BenchFailure(f"verification transfer over the {other.path} path failed: "
+                               f"{exc}") from exc
+        return [slot.copy() for slot in slots]
+
+    # ---- HIXL's own benchmark shape
+
+    def _run_hixl_style(self) -> list[dict[str, Any]]:
+        """HIXL's shape: a fresh engine, one 8784 KiB block, N transfers, the first excluded."""
+        from hixl.client.engine import Engine
+
+        block, count = self.config.hixl_block, self.config.hixl_transfers
+        results = []
+        for path in self.config.paths:
+            for op in self.config.ops:
+                self._advance(f"hixl-style {path} {op}")
+                side = self.sides[path]
+                transfer_op = OPS[op]
+                windows = sample_windows(block, 1)
+                expected = self._prepare(side, transfer_op, windows)
+                with Engine("127.0.0.1", {"EnableUseFabricMem": PATH_OPTION[path]}) as engine:
+                    engine.connect(self.agent, timeout=5.0)
+                    engine.register(side.local)
+                    descs = [TransferOpDesc(side.local_addr, self.remote_base, block)]
+                    latencies = []
+                    for _ in range(count):
+                        began = time.perf_counter_ns()
+                        engine.transfer(self.agent, transfer_op, descs, self.config.timeout)
+                        latencies.append(time.perf_counter_ns() - began)
+                    mapped, kind = _path_facts(engine, self.agent)
+                self._check(side, transfer_op, windows, expected, f"hixl-style {path} {op}")
+                steady = Timing(latencies[1:], sum(latencies[1:]) / 1e9) if count > 1 else \
+                    Timing(latencies, sum(latencies) / 1e9)
+                results.append({"kind": "hixl-style", "path": path, "op": op, "block": block,
+                                "transfers": count, "first_us": latencies[0] / 1e3,
+                                "fabric_mapped": mapped, "socket": kind,
+                                **steady.summary(block, 1), "verified": True})
+        return results
+
+
+def _ratio(cell: dict[str, Any], baseline: dict[str, Any], key: str = "gbps") -> float:
+    return cell[key] / baseline[key] if baseline[key] else 0.0
+
+
+def _compare(cell: dict[str, Any], name: str, baseline: dict[str, Any]) -> None:
+    """ratio: of wall-clock GB/s; ratio_p50: of median-call GB/s (what targets use)."""
+    cell.update(baseline=name, baseline_gbps=baseline["gbps"], ratio=_ratio(cell, baseline),
+                ratio_p50=_ratio(cell, baseline, "p50_gbps"))
+
+
+# ---------------------------------------------------------------- targets
+
+
+def evaluate_targets(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The project's performance targets, checked against this run's cells."""
+    engine = [c for c in cells if c["kind"] == "engine"]
+    targets: list[dict[str, Any]] = []
+
+    def add(name: str, picked: list[dict[str, Any]], key: str, limit: float, at_most: bool) -> None:
+        for cell in picked:
+            value = cell[key]
+            targets.append({
+                "target": name, "path": cell["path"], "op": cell["op"], "mode": cell["mode"],
+                "block": cell["block"], "batch": cell["batch"], "metric": key,
+                "value": value, "limit": limit,
+                "met": value <= limit if at_most else value >= limit})
+
+    sync = [c for c in engine if c["mode"] == "sync"]
+    add("fabric >= 1 MiB: >= 0.85x memcpy",
+        [c for c in sync if c["path"] == "fabric" and c["block"] >= MIB], "ratio_p50", 0.85, False)
+    add("fabric 4 KiB x256: >= 300k ops/s",
+        [c for c in engine if c["path"] == "fabric" and c["block"] == 4 * KIB
+         and c["batch"] == 256], "ops_per_s", 300_000, False)
+    add("fabric one 4 KiB op: p50 <= 15 us",
+        [c for c in sync if c["path"] == "fabric" and c["block"] == 4 * KIB
+         and c["batch"] == 1], "p50_us", 15.0, True)
+    add("socket >= 1 MiB: >= 0.7x raw stream",
+        [c for c in sync if c["path"] == "socket" and c["block"] >= MIB], "ratio_p50", 0.7, False)
+    return targets
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt_rate(value: float) -> str:
+    if value >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}k"
+    return f"{value:.0f}"
+
+
+def _table(header: Sequence[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    left = {0, 1, 2}  # text columns; numbers are right-aligned
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable tables: engine cells with ratios, baselines, HIXL-style, targets."""
+    out: list[str] = []
+    paths = ", ".join(f"{p}: {'mapped' if f['fabric_mapped'] else 'socket ' + f['socket']}"
+                      for p, f in report["paths"].items())
+    out.append(f"hixl bench  agent {report['agent']}  ({paths}; socket ratios vs "
+               f"{report['socket_baseline']})  {report['host']['cpus']} CPUs")
+    cells = report["cells"]
+    engine_rows = [[c["path"], c["op"], c["mode"], human_size(c["block"]), str(c["batch"]),
+                    str(c["calls"]), f"{c['gbps']:.3f}", _fmt_rate(c["ops_per_s"]),
+                    f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}", c["baseline"],
+                    f"{c['baseline_gbps']:.3f}", f"{c['ratio']:.2f}x", f"{c['ratio_p50']:.2f}x",
+                    f"{c['shm_ratio']:.2f}x" if "shm_ratio" in c else "-"]
+                   for c in cells if c["kind"] == "engine"]
+    if engine_rows:
+        out += ["", _table(["path", "op", "mode", "block", "batch", "calls", "GB/s", "ops/s",
+                            "p50 us", "p99 us", "baseline", "base GB/s", "ratio", "p50 ratio",
+                            "vs shm"],
+                           engine_rows),
+                "(ratio: engine / baseline GB/s over the cell's wall time; p50 ratio: of the "
+                "median call's GB/s, robust to CPU steal, used by the targets; memcpy = best "
+                "of a run before and after the engine cells; vs shm: / memcpy to or from a "
+                "local shm segment)"]
+    base_rows = [[c["name"], c["op"], c["mode"], human_size(c["block"]), str(c["batch"]),
+                  str(c["calls"]), f"{c['gbps']:.3f}", _fmt_rate(c["ops_per_s"]),
+                  f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}"]
+                 for c in cells if c["kind"] == "baseline"]
+    if base_rows:
+        out += ["", "baselines (same run)",
+                _table(["baseline", "op", "mode", "block", "batch", "calls", "GB/s", "ops/s",
+                        "p50 us", "p99 us"], base_rows)]
+    style_rows = [[h["path"], h["op"], "sync", human_size(h["block"]), str(h["calls"]),
+                   f"{h['first_us']:.0f}", f"{h['mean_us']:.1f}", f"{h['p50_us']:.1f}",
+                   f"{h['p99_us']:.1f}", f"{h['gbps']:.3f}"] for h in report["hixl_style"]]
+    if style_rows:
+        out += ["", "HIXL-style (fresh engine, one block per transfer, first transfer excluded)",
+                _table(["path", "op", "mode", "block", "n", "first us", "mean us", "p50 us",
+                        "p99 us", "GB/s"], style_rows)]
+    target_rows = [[t["target"], f"{t['op']} {t['mode']}",
+                    f"{human_size(t['block'])} x{t['batch']}",
+                    f"{t['value']:.2f}" if t["metric"] != "ops_per_s" else _fmt_rate(t["value"]),
+                    "met" if t["met"] else "MISSED"] for t in report["targets"]]
+    if target_rows:
+        out += ["", "targets", _table(["target", "cell", "size", "value", ""], target_rows)]
+    out += ["", "correctness: every cell's sampled bytes verified through the other path"
+            if report["verified"] else "correctness: FAILED"]
+    return "\n".join(out)
+
+
+def run_bench(config: BenchConfig, progress: IO[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark described by `config`; raises BenchFailure on wrong bytes."""
+    if not config.paths or not config.ops or (config.matrix and (not config.modes or not config.sizes)):
+        raise ValueError("nothing to measure: paths, ops, modes and sizes must not be empty")
+    try:
+        with Bench(config, progress) as bench:
+            return bench.run()
+    except TransferFailed as exc:
+        raise BenchFailure(f"transfer failed: {exc}") from exc
+
+
+if __name__ == "__main__":
+    sys.exit(raw_server_main())

@@ -1,0 +1,189 @@
+"""`hixl`: the user's command line. Subcommands: `bench` (more, e.g. status/segments/keys, plug in).
+
+Each subcommand is one `add_<name>(subparsers)` function that declares its flags and sets
+`handler`; `main()` parses and dispatches, turning expected failures into an error line
+and a non-zero exit status instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hixl.client import bench
+from hixl.errors import ConfigError, HixlError
+
+EXIT_FAILED = 1  # the command ran and failed (wrong bytes, missed targets with --check-targets)
+EXIT_USAGE = 2  # argparse's own status for bad flags
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    from hixl.server.config import parse_size
+
+    try:
+        sizes = tuple(parse_size(part) for part in text.split(",") if part.strip())
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.args[0]) from None
+    if not sizes:
+        raise argparse.ArgumentTypeError("give at least one size, e.g. 4K,1M")
+    return sizes
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,8,256, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return values
+
+
+def _choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+        unknown = [v for v in values if v not in allowed]
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: choose from {', '.join(allowed)} (comma-separated)")
+        return values
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
+def _one_size(text: str) -> int:
+    return _size_list(text)[0]
+
+
+# ---------------------------------------------------------------- bench
+
+
+def add_bench(subparsers: Any) -> None:
+    defaults = bench.BenchConfig()
+    p = subparsers.add_parser(
+        "bench", help="measure PUT/GET throughput and latency against same-run baselines",
+        description="Measure the engine on the fabric and socket paths, with memcpy and raw "
+                    "socket-stream baselines from the same run, and print GB/s, ops/s, "
+                    "p50/p99 latency per call and the ratio to the baseline. Every cell's "
+                    "bytes are verified; wrong bytes abort the run.")
+    p.add_argument("--agent", metavar="HOST:PORT",
+                   help="use this running agent (default: start a private hixl-agent)")
+    p.add_argument("--paths", type=_choices(bench.PATHS), default=defaults.paths,
+                   help="fabric,socket (default both)")
+    p.add_argument("--ops", type=_choices(tuple(bench.OPS)), default=defaults.ops,
+                   help="write,read (default both)")
+    p.add_argument("--modes", type=_choices(bench.MODES), default=defaults.modes,
+                   help="sync,async (default both)")
+    p.add_argument("--sizes", type=_size_list, default=defaults.sizes,
+                   help="block sizes, e.g. 4K,64K,1M,8784K,64M (the default)")
+    p.add_argument("--batch", type=_int_list, default=None, dest="batches",
+                   help="batch sizes for every block size (default 1,256 for blocks up to "
+                        "64K, 1,8 for larger)")
+    p.add_argument("--max-call-bytes", type=_one_size, default=defaults.max_call_bytes,
+                   help="shrink batches so one call moves at most this (default 256M)")
+    p.add_argument("--seconds", type=_positive_float, default=defaults.seconds,
+                   help=f"measured time per cell (default {defaults.seconds})")
+    p.add_argument("--iterations", type=_positive_int, default=defaults.iterations,
+                   help=f"at most this many calls per cell (default {defaults.iterations})")
+    p.add_argument("--warmup", type=int, default=defaults.warmup,
+                   help=f"warm-up calls per cell (default {defaults.warmup})")
+    p.add_argument("--depth", type=_positive_int, default=defaults.depth,
+                   help=f"async requests in flight (default {defaults.depth})")
+    p.add_argument("--timeout", type=_positive_float, default=defaults.timeout,
+                   help=f"seconds allowed per transfer call (default {defaults.timeout:g})")
+    style = p.add_mutually_exclusive_group()
+    style.add_argument("--hixl-style", action="store_true",
+                       help="run only HIXL's benchmark shape (one 8784K block, 100 transfers, "
+                            "first excluded); the default run includes it")
+    style.add_argument("--no-hixl-style", action="store_true",
+                       help="skip the HIXL-style run")
+    p.add_argument("--hixl-block", type=_one_size, default=defaults.hixl_block,
+                   help="block of the HIXL-style run (default 8784K)")
+    p.add_argument("--hixl-transfers", type=_positive_int, default=defaults.hixl_transfers,
+                   help="transfers of the HIXL-style run (default 100; the first is excluded)")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write every number as JSON to FILE ('-' = stdout; the table "
+                        "then goes to stderr)")
+    p.add_argument("--check-targets", action="store_true",
+                   help="exit with status 1 if a performance target is missed")
+    progress = p.add_mutually_exclusive_group()
+    progress.add_argument("--progress", action="store_true", default=None,
+                          help="show progress on stderr (default: when stderr is a terminal)")
+    progress.add_argument("--no-progress", action="store_false", dest="progress")
+    p.set_defaults(handler=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    config = bench.BenchConfig(
+        agent=args.agent, paths=args.paths, ops=args.ops, modes=args.modes, sizes=args.sizes,
+        batches=args.batches, seconds=args.seconds, iterations=args.iterations,
+        warmup=max(0, args.warmup), depth=args.depth, max_call_bytes=args.max_call_bytes,
+        timeout=args.timeout, matrix=not args.hixl_style, hixl_style=not args.no_hixl_style,
+        hixl_block=args.hixl_block, hixl_transfers=args.hixl_transfers)
+    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
+    report = bench.run_bench(config, sys.stderr if show_progress else None)
+    table_stream = sys.stderr if args.json == "-" else sys.stdout
+    print(bench.format_report(report), file=table_stream, flush=True)
+    if args.json:
+        text = json.dumps(report, indent=2)
+        if args.json == "-":
+            print(text, flush=True)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+    if args.check_targets and not all(t["met"] for t in report["targets"]):
+        return EXIT_FAILED
+    return 0
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hixl", description="hixl command-line tools")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (add_bench,):
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script `hixl`; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except bench.BenchFailure as exc:
+        print(f"hixl {args.command}: FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except (HixlError, RuntimeError, OSError) as exc:
+        print(f"hixl {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"hixl {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,570 @@
+"""`Engine`: a process's handle on hixl — register memory, connect to peers, PUT and GET.
+
+An engine named "ip" is a client; "ip:port" also embeds an agent (hixl.server) that
+serves this process's registered memory to peers. Every operation is checked in full
+before any byte moves (registered local memory, remote segment bounds, permissions), so
+bad input raises a typed HixlError and changes nothing. Per op, nothing goes through
+gRPC: the fabric path memmoves into a mapping, the socket path streams to the peer agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping as MappingABC
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from hixl.errors import (
+    AlreadyConnected,
+    HixlError,
+    NotConnected,
+    OutOfRange,
+    ParamInvalid,
+    PermissionDenied,
+    StaleEpoch,
+    TransferFailed,
+    TransferTimeout,
+    Unsupported,
+)
+from hixl.memory import BufferRange, ShmSegment, buffer_range
+from hixl.options import EngineOptions
+from hixl.table import AddressTable, check_range
+from hixl.transports.base import Item, Transport
+from hixl.transports.fabric import FabricTransport
+from hixl.transports.tcp import SocketTransport
+from hixl.types import MemType, Perm, SegmentInfo, TransferOp, TransferOpDesc, TransferStatus
+
+log = logging.getLogger("hixl.engine")
+
+DEFAULT_TIMEOUT_S = 1.0  # HIXL's default timeout_in_millis is 1000
+ASYNC_WORKERS = 4
+
+
+def parse_engine_name(name: str) -> tuple[str, int]:
+    """Split "ip", "ip:port", "[v6]" or "[v6]:port" into (host, port); port 0 means none."""
+    if not isinstance(name, str) or not name:
+        raise ParamInvalid(f"engine name must be a non-empty string like 'ip' or 'ip:port', got {name!r}")
+    if name.startswith("["):
+        host, _, rest = name[1:].partition("]")
+        if not host or (rest and not rest.startswith(":")):
+            raise ParamInvalid(f"engine name {name!r}: expected '[ipv6]' or '[ipv6]:port'")
+        port_text = rest[1:]
+    else:
+        host, _, port_text = name.partition(":")
+        if ":" in port_text:
+            raise ParamInvalid(f"engine name {name!r}: write IPv6 addresses as '[addr]:port'")
+    if not host:
+        raise ParamInvalid(f"engine name {name!r} has no host")
+    if not port_text:
+        return host, 0
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ParamInvalid(f"engine name {name!r}: port must be 0-65535")
+    return host, int(port_text)
+
+
+@dataclass(eq=False)
+class MemHandle:
+    """A registration of local memory (HIXL's MemHandle)."""
+
+    addr: int
+    length: int
+    mem_type: MemType
+    readonly: bool
+    keepalive: Any = field(repr=False)
+    segment: SegmentInfo | None = None  # set when this engine serves the memory to peers
+    registered: bool = True
+
+
+@dataclass
+class _Peer:
+    """What this engine knows of one connected remote engine."""
+
+    name: str
+    info: Any  # AgentInfo
+    client: Any  # AgentClient
+    table: AddressTable[SegmentInfo]
+    epoch: int
+    fabric: FabricTransport | None
+    fd_client: Any | None
+    socket_address: str
+    socket: SocketTransport | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class TransferRequest:
+    """An asynchronous transfer; resolves to COMPLETED or FAILED, never WAITING past its deadline."""
+
+    def __init__(self, future: Future[None], deadline: float, remote: str) -> None:
+        self._future = future
+        self.deadline = deadline
+        self.remote = remote
+
+    @property
+    def status(self) -> TransferStatus:
+        if self._future.done():
+            return TransferStatus.FAILED if self._future.exception() else TransferStatus.COMPLETED
+        if time.monotonic() > self.deadline:
+            return TransferStatus.FAILED
+        return TransferStatus.WAITING
+
+    @property
+    def error(self) -> HixlError | None:
+        """Why it failed (None while waiting or when completed)."""
+        if self._future.done():
+            exc = self._future.exception()
+            if exc is None or isinstance(exc, HixlError):
+                return exc
+            return TransferFailed(f"transfer to {self.remote} failed: {exc!r}")
+        if time.monotonic() > self.deadline:
+            return TransferTimeout(f"transfer to {self.remote} passed its deadline")
+        return None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until done (or the request's deadline); raise its error if it failed."""
+        limit = self.deadline - time.monotonic() + 0.05
+        if timeout is not None:
+            limit = min(limit, timeout)
+        try:
+            self._future.result(timeout=max(0.0, limit))
+        except TimeoutError:
+            raise TransferTimeout(f"transfer to {self.remote} passed its deadline") from None
+
+
+class Engine:
+    """Pythonic hixl engine: exceptions, context manager, buffers accepted for addresses."""
+
+    def __init__(self, local_engine: str, options: MappingABC[str, str] | None = None, *,
+                 agent_config: Any | None = None) -> None:
+        self.options = EngineOptions.parse(options)
+        self.host, self.port = parse_engine_name(local_engine)
+        self.name = local_engine
+        self._local: AddressTable[MemHandle] = AddressTable()
+        self._handles: dict[tuple[int, int], MemHandle] = {}
+        self._malloced: dict[int, ShmSegment] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._server: Any | None = None
+        if self.port > 0 or agent_config is not None:
+            self._server = self._start_embedded_agent(agent_config)
+            self.name = self._server.engine_name
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _start_embedded_agent(self, agent_config: Any | None) -> Any:
+        from hixl.server.config import AgentConfig
+        from hixl.server.runtime import AgentServer
+
+        config = agent_config or AgentConfig(host=self.host, grpc_port=self.port)
+        server = AgentServer(config)
+        server.start()
+        return server
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self) -> None:
+        """Disconnect every peer, deregister everything, stop the embedded agent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers)
+        for name in peers:
+            try:
+                self.disconnect(name)
+            except HixlError as exc:
+                log.debug("disconnect %s during close: %s", name, exc)
+        for handle in list(self._handles.values()):
+            self._release(handle)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._server is not None:
+            self._server.stop()
+        for segment in self._malloced.values():
+            with contextlib.suppress(BufferError):  # still viewed: freed with its last view
+                segment.close()
+        self._malloced.clear()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NotConnected(f"engine {self.name} is closed")
+
+    # ------------------------------------------------------------------ memory
+
+    def malloc(self, size: int, mem_type: MemType = MemType.MEM_HOST) -> ShmSegment:
+        """Host memory that same-node peers can map (shm-backed, pre-faulted)."""
+        self._check_open()
+        if MemType(mem_type) != MemType.MEM_HOST:
+            raise Unsupported("malloc of MEM_DEVICE memory needs an accelerator backend; "
+                              "this engine allocates host memory (MEM_HOST)")
+        segment = ShmSegment(size, name=f"hixl-{os.getpid()}")
+        with self._lock:
+            self._malloced[segment.addr] = segment
+        return segment
+
+    def free(self, addr: int | ShmSegment) -> None:
+        """Free memory from malloc(); refused while registered."""
+        key = addr.addr if isinstance(addr, ShmSegment) else addr
+        with self._lock:
+            segment = self._malloced.get(key)
+            if segment is None:
+                raise ParamInvalid(f"address {key:#x} was not allocated by malloc_mem/malloc")
+            hit = self._local.lookup(key)
+            if hit is not None and hit[2].registered:
+                raise ParamInvalid(f"memory at {key:#x} is still registered; deregister it first")
+            del self._malloced[key]
+        try:
+            segment.close()
+        except BufferError:
+            log.debug("memory at %#x still viewed by the caller; unmapped with its last view", key)
+
+    def register(self, memory: Any, length: int | None = None, *,
+                 mem_type: MemType = MemType.MEM_HOST, perms: Perm | str = Perm.RW,
+                 name: str = "") -> MemHandle:
+        """Register local memory: a buffer object, or a raw address with `length`.
+
+        Registering the same (addr, length) again returns the same handle (as in HIXL);
+        a range overlapping another registration is refused.
+        """
+        self._check_open()
+        try:
+            mem_type = MemType(mem_type)
+        except ValueError:
+            raise ParamInvalid(f"mem_type must be MemType.MEM_HOST or MEM_DEVICE, got {mem_type!r}") from None
+        if mem_type == MemType.MEM_DEVICE:
+            raise Unsupported("MEM_DEVICE registration needs an accelerator backend; "
+                              "register host memory with MemType.MEM_HOST")
+        perms = Perm.parse(perms) if isinstance(perms, str) else Perm(perms)
+        shm: ShmSegment | None = None
+        if isinstance(memory, int) and not isinstance(memory, bool):
+            if length is None:
+                raise ParamInvalid("register(addr, length): a raw address needs a length")
+            check_range(memory, length, "local memory")
+            shm = self._malloced_containing(memory, length)
+            buf = BufferRange(memory, length, False, None)
+        else:
+            buf = buffer_range(memory)
+            if length is not None and length != buf.length:
+                raise ParamInvalid(f"length {length} does not match the buffer's {buf.length} bytes")
+            check_range(buf.addr, buf.length, "local memory")
+            if isinstance(memory, ShmSegment):
+                shm = memory
+        with self._lock:
+            existing = self._handles.get((buf.addr, buf.length))
+            if existing is not None:
+                return existing
+            handle = MemHandle(buf.addr, buf.length, mem_type, buf.readonly, buf.keepalive)
+            self._local.insert(buf.addr, buf.length, handle)
+            try:
+                if self._server is not None:
+                    if buf.readonly:
+                        perms &= ~Perm.WRITE
+                    handle.segment = self._server.agent.register_memory(
+                        buf.addr, buf.length, perms, name, self.name, buf.keepalive, shm)
+            except BaseException:
+                self._local.remove(buf.addr)
+                raise
+            self._handles[(buf.addr, buf.length)] = handle
+            return handle
+
+    def _malloced_containing(self, addr: int, length: int) -> ShmSegment | None:
+        """The malloc'd segment if (addr, length) is exactly one (so peers can map it)."""
+        segment = self._malloced.get(addr)
+        if segment is not None and length == segment.length:
+            return segment
+        return None
+
+    def deregister(self, handle: MemHandle) -> None:
+        """Withdraw a registration; a second deregister of the same handle raises ParamInvalid."""
+        if not isinstance(handle, MemHandle):
+            raise ParamInvalid(f"deregister needs a MemHandle from register(), got {type(handle).__name__}")
+        with self._lock:
+            if not handle.registered or self._handles.get((handle.addr, handle.length)) is not handle:
+                raise ParamInvalid(
+                    f"memory handle for [{handle.addr:#x}, +{handle.length}) is not registered "
+                    "(already deregistered?)")
+            self._release(handle)
+
+    def _release(self, handle: MemHandle) -> None:
+        with self._lock:
+            self._handles.pop((handle.addr, handle.length), None)
+            if self._local.get(handle.addr) is handle:
+                self._local.remove(handle.addr)
+            handle.registered = False
+        if handle.segment is not None and self._server is not None:
+            try:
+                self._server.agent.deregister(handle.segment.segment_id)
+            except HixlError as exc:
+                log.debug("deregister served segment: %s", exc)
+
+    # ------------------------------------------------------------------ peers
+
+    def connect(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Handshake with a remote engine's agent and cache its address table."""
+        self._check_open()
+        parse_engine_name(remote)
+        with self._lock:
+            if remote in self._peers:
+                raise AlreadyConnected(f"already connected to {remote}")
+        peer = self._open_peer(remote, timeout)
+        with self._lock:
+            if remote in self._peers:
+                self._close_peer(peer)
+                raise AlreadyConnected(f"already connected to {remote}")
+            self._peers[remote] = peer
+
+    def _open_peer(self, remote: str, timeout: float) -> _Peer:
+        from hixl.client.agent_client import AgentClient, FdClient
+
+        if timeout <= 0:
+            raise ParamInvalid(f"timeout must be positive, got {timeout}")
+        client = AgentClient(remote, timeout=timeout)
+        try:
+            info = client.handshake(self.name, timeout=timeout)
+        except BaseException:
+            client.close()
+            raise
+        table: AddressTable[SegmentInfo] = AddressTable()
+        for segment in info.segments:
+            table.insert(segment.base, segment.length, segment)
+        fabric = None
+        fd_client = None
+        local_node = self._server.agent.node_id if self._server is not None else None
+        if self.options.fabric_mem and info.fd_socket and os.path.exists(info.fd_socket) and (
+                local_node is None or local_node == info.node_id):
+            try:
+                fd_client = FdClient(info.fd_socket, timeout=timeout)
+            except HixlError as exc:
+                log.info("fabric path to %s unavailable (%s); using the socket path", remote, exc)
+            else:
+                fabric = FabricTransport(remote, fd_client.fetch, fd_client.alive)
+        socket_address = (f"unix://{info.data_unix}" if info.data_unix and os.path.exists(info.data_unix)
+                          else f"tcp://{info.data_tcp}")
+        return _Peer(remote, info, client, table, info.epoch, fabric, fd_client, socket_address)
+
+    def disconnect(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Drop the connection, its mappings and data channels."""
+        with self._lock:
+            peer = self._peers.pop(remote, None)
+        if peer is None:
+            raise NotConnected(f"not connected to {remote}")
+        self._close_peer(peer)
+
+    def _close_peer(self, peer: _Peer) -> None:
+        for part in (peer.fabric, peer.socket, peer.fd_client, peer.client):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception as exc:  # closing must not stop closing the rest
+                    log.debug("closing %s of %s: %r", type(part).__name__, peer.name, exc)
+
+    def _peer(self, remote: str) -> _Peer:
+        peer = self._peers.get(remote)
+        if peer is None:
+            self._check_open()
+            if self.options.auto_connect:
+                with contextlib.suppress(AlreadyConnected):  # another thread won the race
+                    self.connect(remote)
+                return self._peers[remote]
+            raise NotConnected(f"not connected to {remote}; call connect({remote!r}) first")
+        return peer
+
+    def segments(self, remote: str, refresh: bool = True) -> list[SegmentInfo]:
+        """The remote engine's segments (base, length, perms, ...), fetched afresh by default."""
+        peer = self._peer(remote)
+        if refresh:
+            self._refresh(peer)
+        return [segment for _, _, segment in peer.table]
+
+    def _refresh(self, peer: _Peer) -> None:
+        epoch, segments = peer.client.list_segments()
+        if epoch != peer.epoch:
+            raise StaleEpoch(f"{peer.name} restarted (epoch {peer.epoch} -> {epoch}); its old "
+                             "addresses are void: disconnect() and connect() again")
+        table: AddressTable[SegmentInfo] = AddressTable()
+        for segment in segments:
+            table.insert(segment.base, segment.length, segment)
+        peer.table = table
+
+    def allocate(self, remote: str, size: int, perms: Perm | str = Perm.RW,
+                 name: str = "") -> SegmentInfo:
+        """Allocate a segment in a remote agent's pool (one RPC); it joins the cached table."""
+        peer = self._peer(remote)
+        perms = Perm.parse(perms) if isinstance(perms, str) else Perm(perms)
+        segment = peer.client.allocate(size, perms, name, self.name)
+        with peer.lock:
+            peer.table.insert(segment.base, segment.length, segment)
+        return segment
+
+    def release(self, remote: str, segment: SegmentInfo) -> None:
+        """Give a segment from allocate() back to the remote pool."""
+        peer = self._peer(remote)
+        peer.client.deregister(segment.segment_id, segment.epoch)
+        with peer.lock:
+            if peer.table.get(segment.base) is not None:
+                peer.table.remove(segment.base)
+
+    # ------------------------------------------------------------------ transfers
+
+    def transfer(self, remote: str, op: TransferOp, descs: Sequence[TransferOpDesc | tuple[int, int, int]],
+                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Run a batch of ops in one direction; returns when every byte has moved.
+
+        READ copies remote memory into local memory, WRITE local into remote. Raises a
+        HixlError subclass; `.failed` lists the indexes of ops that did not complete.
+        """
+        deadline = self._deadline(timeout)
+        peer = self._peer(remote)
+        fabric_items, socket_items = self._resolve(peer, TransferOp(op), descs)
+        if fabric_items:
+            assert peer.fabric is not None
+            peer.fabric.transfer(op, fabric_items, deadline)
+        if socket_items:
+            self._socket(peer).transfer(op, socket_items, deadline)
+
+    @staticmethod
+    def _deadline(timeout: float) -> float:
+        if not isinstance(timeout, int | float) or timeout <= 0:
+            raise ParamInvalid(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return time.monotonic() + timeout
+
+    def _socket(self, peer: _Peer) -> Transport:
+        if peer.socket is None:
+            with peer.lock:
+                if peer.socket is None:
+                    peer.socket = SocketTransport(peer.socket_address, identity=self.name)
+        return peer.socket
+
+    def _resolve(self, peer: _Peer, op: TransferOp, descs: Sequence[Any]) -> tuple[list[Item], list[Item]]:
+        """Check every op against both tables before any byte moves; split by path."""
+        if not isinstance(descs, Sequence) or isinstance(descs, str | bytes) or not descs:
+            raise ParamInvalid("op_descs must be a non-empty sequence of TransferOpDesc")
+        local = self._local
+        fabric_items: list[Item] = []
+        socket_items: list[Item] = []
+        writing = op == TransferOp.WRITE
+        need = Perm.WRITE if writing else Perm.READ
+        fabric = peer.fabric
+        refreshed = False
+        for index, desc in enumerate(descs):
+            if isinstance(desc, TransferOpDesc):
+                local_addr, remote_addr, length = desc.local_addr, desc.remote_addr, desc.len
+            else:
+                try:
+                    local_addr, remote_addr, length = desc
+                except (TypeError, ValueError):
+                    raise ParamInvalid(f"op {index}: expected TransferOpDesc(local_addr, remote_addr, len), "
+                                       f"got {desc!r}") from None
+            check_range(local_addr, length, f"op {index} local")
+            check_range(remote_addr, length, f"op {index} remote")
+            try:
+                _, handle = local.find(local_addr, length, f"op {index} local address")
+            except OutOfRange as exc:
+                raise OutOfRange(f"{exc.args[0]} (local memory must be registered first)",
+                                 failed=[index]) from None
+            if not writing and handle.readonly:
+                raise PermissionDenied(f"op {index}: local memory at {local_addr:#x} is read-only; "
+                                       "a READ cannot land in it", failed=[index])
+            hit = peer.table.lookup(remote_addr)
+            if hit is None and not refreshed:
+                self._refresh(peer)  # segments allocated since connect
+                refreshed = True
+            try:
+                _, segment = peer.table.find(remote_addr, length, f"op {index} remote address")
+            except OutOfRange as exc:
+                raise OutOfRange(f"{exc.args[0]} of {peer.name}", failed=[index]) from None
+            if not segment.perms & need:
+                raise PermissionDenied(
+                    f"op {index}: segment {segment.segment_id} of {peer.name} is "
+                    f"{'read-only' if need == Perm.WRITE else 'not readable'} (perms {segment.perms})",
+                    failed=[index])
+            item = Item(index, local_addr, segment, remote_addr, length)
+            if fabric is not None and segment.shareable:
+                fabric_items.append(item)
+            else:
+                socket_items.append(item)
+        return fabric_items, socket_items
+
+    def transfer_async(self, remote: str, op: TransferOp, descs: Sequence[Any],
+                       timeout: float = 30.0) -> TransferRequest:
+        """Start a transfer in the background; input is checked now, bytes move later."""
+        deadline = self._deadline(timeout)
+        peer = self._peer(remote)
+        op = TransferOp(op)
+        fabric_items, socket_items = self._resolve(peer, op, descs)
+
+        def run() -> None:
+            if fabric_items:
+                assert peer.fabric is not None
+                peer.fabric.transfer(op, fabric_items, deadline)
+            if socket_items:
+                self._socket(peer).transfer(op, socket_items, deadline)
+
+        return TransferRequest(self._executor().submit(run), deadline, remote)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="hixl-xfer")
+        return self._pool
+
+    def write(self, remote: str, local: Any, remote_addr: int, length: int | None = None,
+              timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """PUT: copy `local` (registered buffer or address) to `remote_addr` of `remote`."""
+        addr, length = self._local_range(local, length)
+        self.transfer(remote, TransferOp.WRITE, [TransferOpDesc(addr, remote_addr, length)], timeout)
+
+    def read(self, remote: str, local: Any, remote_addr: int, length: int | None = None,
+             timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """GET: copy `length` bytes at `remote_addr` of `remote` into `local`."""
+        addr, length = self._local_range(local, length)
+        self.transfer(remote, TransferOp.READ, [TransferOpDesc(addr, remote_addr, length)], timeout)
+
+    @staticmethod
+    def _local_range(local: Any, length: int | None) -> tuple[int, int]:
+        if isinstance(local, int) and not isinstance(local, bool):
+            if length is None:
+                raise ParamInvalid("a raw local address needs a length")
+            return local, length
+        buf = buffer_range(local)
+        return buf.addr, buf.length if length is None else length
+
+    # ------------------------------------------------------------------ asyncio
+
+    async def transfer_aio(self, remote: str, op: TransferOp, descs: Sequence[Any],
+                           timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """`transfer` for asyncio code: runs on the engine's worker threads."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor(), self.transfer, remote, op, descs, timeout)
+
+    async def write_aio(self, remote: str, local: Any, remote_addr: int, length: int | None = None,
+                        timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        addr, length = self._local_range(local, length)
+        await self.transfer_aio(remote, TransferOp.WRITE, [TransferOpDesc(addr, remote_addr, length)], timeout)
+
+    async def read_aio(self, remote: str, local: Any, remote_addr: int, length: int | None = None,
+                       timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        addr, length = self._local_range(local, length)
+        await self.transfer_aio(remote, TransferOp.READ, [TransferOpDesc(addr, remote_addr, length)], timeout)
+
+    async def connect_aio(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor(), self.connect, remote, timeout)

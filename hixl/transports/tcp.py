@@ -1,0 +1,495 @@
+"""The socket data path, client side: pipelined frames over TCP or a unix socket.
+
+One transfer owns one connection from a small pool (callers in other threads never share
+a stream). It sends every request frame of the batch — WRITE payloads gathered straight
+from local memory with `sendmsg` — while it reads the replies, READ data landing straight
+in local memory with `recv_into`: no user-space staging copy either way. The socket is
+non-blocking and driven by one `poll` loop, so sending and receiving interleave and the
+two socket buffers can never deadlock each other, and every wait uses what is left of
+the caller's deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import math
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from hixl import wire
+from hixl.errors import (
+    HixlError,
+    NotConnected,
+    ParamInvalid,
+    PeerUnavailable,
+    TransferFailed,
+    TransferTimeout,
+)
+from hixl.transports.base import Item, Transport
+from hixl.types import TransferOp
+
+log = logging.getLogger("hixl.data")
+
+IOV_MAX = 1024  # Linux's limit on buffers per sendmsg
+SOCKET_BUFFER = 4 << 20  # SO_SNDBUF/SO_RCVBUF: room for whole MiB-sized frames in flight
+_SCRATCH = 64 << 10  # reply headers and error texts are read through this buffer
+
+Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias on 3.10
+
+# PyMemoryView_FromMemory wraps raw memory in a plain "B" memoryview without creating a
+# ctypes array type per length (ctypes caches those forever).
+_view_from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_view_from_memory.restype = ctypes.py_object
+_view_from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_READ = 0x100
+_PYBUF_WRITE = 0x200
+
+
+def local_view(addr: int, length: int, *, writable: bool) -> memoryview:
+    """A memoryview over `length` bytes at `addr` (memory the Engine has checked)."""
+    return _view_from_memory(addr, length, _PYBUF_WRITE if writable else _PYBUF_READ)
+
+
+def consume(buffers: list[Buffer], start: int, sent: int) -> int:
+    """Drop `sent` bytes from buffers[start:] after a partial send; returns the new start.
+
+    A buffer sent only in part is replaced by a view of its unsent tail.
+    """
+    while sent:
+        size = len(buffers[start])
+        if sent < size:
+            buffers[start] = memoryview(buffers[start])[sent:]
+            return start
+        sent -= size
+        start += 1
+    return start
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Low latency for small frames, big buffers for bulk ones."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        # capped by net.core.*mem_max, refused by odd kernels: the default still works
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+
+
+def parse_address(address: str) -> tuple[str, socket.AddressFamily, str | tuple[str, int]]:
+    """"tcp://host:port" or "unix:///abs/path" -> (transport name, family, sockaddr)."""
+    if address.startswith("unix://"):
+        path = address[len("unix://"):]
+        if not path.startswith("/"):
+            raise ParamInvalid(f"unix data address {address!r} needs an absolute path")
+        return "unix", socket.AF_UNIX, path
+    if address.startswith("tcp://"):
+        host, sep, port = address[len("tcp://"):].rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ParamInvalid(f"tcp data address {address!r} is not tcp://host:port")
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return "tcp", family, (host, int(port))
+    raise ParamInvalid(f"data address {address!r}: use tcp://host:port or unix:///path")
+
+
+@dataclass(slots=True)
+class _Frame:
+    """One request on the wire and where its reply goes."""
+
+    pos: int  # the item's position in the batch; -1 for control frames (HELLO, PING)
+    header: bytes
+    payload: Buffer | None  # sent right after the header (WRITE data, HELLO identity)
+    target: memoryview | None  # READ: the reply's data lands here
+
+
+class _StreamLost(Exception):
+    """The connection cannot go on; `replied` frames had their replies read."""
+
+    def __init__(self, kind: str, message: str, replied: int,
+                 refusals: list[tuple[int, HixlError]]) -> None:
+        super().__init__(message)
+        self.kind = kind  # "timeout", "closed" or "protocol"
+        self.replied = replied
+        self.refusals = refusals
+
+
+_PEER_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+class _Connection:
+    """One non-blocking data stream with its own request numbering and reply scratch."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.proto = wire.ClientProtocol()
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
+        self._scratch = bytearray(_SCRATCH)
+        self._view = memoryview(self._scratch)
+        self._start = 0  # unread reply bytes are self._scratch[_start:_end]
+        self._end = 0
+        self._target: memoryview | None = None  # READ data being received, and how far
+        self._filled = 0
+        self._refusal: wire.Header | None = None  # error reply whose text is still coming
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def is_stale(self) -> bool:
+        """An idle stream has nothing to read; EOF, a reset or stray bytes mean it is dead."""
+        self._poll.modify(self.sock.fileno(), select.POLLIN)
+        return bool(self._poll.poll(0))
+
+    def abort(self) -> None:
+        """Wake a transfer blocked on this stream (from another thread): it sees EOF."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def exchange(self, frames: list[_Frame], deadline: float) -> list[tuple[int, HixlError]]:
+        """Send every frame, read every reply; returns (frame number, error) per refusal.
+
+        Raises _StreamLost when the stream breaks (timeout, EOF, reset, a reply that does
+        not match): the connection must then be dropped.
+        """
+        out: list[Buffer] = []
+        for frame in frames:
+            out.append(frame.header)
+            if frame.payload is not None:
+                out.append(frame.payload)
+        sent_upto = 0
+        refusals: list[tuple[int, HixlError]] = []
+        replied = 0
+        try:
+            while replied < len(frames):
+                progressed = False
+                if sent_upto < len(out):
+                    try:
+                        sent = self.sock.sendmsg(out[sent_upto:sent_upto + IOV_MAX])
+                    except BlockingIOError:
+                        sent = 0
+                    if sent:
+                        progressed = True
+                        sent_upto = consume(out, sent_upto, sent)
+                before = replied
+                replied, read_any = self._read_replies(frames, replied, refusals)
+                if not (progressed or read_any or replied != before):
+                    self._wait(select.POLLIN | (select.POLLOUT if sent_upto < len(out) else 0),
+                               deadline, replied, refusals)
+        except _StreamLost:
+            raise
+        except _PEER_GONE as exc:
+            raise _StreamLost("closed", f"connection reset ({exc.strerror})", replied,
+                              refusals) from None
+        except wire.ProtocolError as exc:
+            raise _StreamLost("protocol", f"bad reply: {exc}", replied, refusals) from None
+        except OSError as exc:
+            raise _StreamLost("closed", f"socket error: {exc}", replied, refusals) from None
+        if self._start != self._end:
+            raise _StreamLost("protocol", f"{self._end - self._start} bytes after the last reply",
+                              replied, refusals)
+        return refusals
+
+    def _read_replies(self, frames: list[_Frame], replied: int,
+                      refusals: list[tuple[int, HixlError]]) -> tuple[int, bool]:
+        """Read as many replies as the socket holds now, without blocking.
+
+        Returns (frames replied so far, whether any byte was read). Where a reply stops
+        half-way, `_target`/`_filled` (READ data) or `_refusal` (an error header whose
+        text is still coming) remember it for the next call.
+        """
+        read_any = False
+        sock = self.sock
+        while replied < len(frames):
+            target = self._target
+            if target is not None:  # the middle of a READ reply's data: straight into place
+                try:
+                    got = sock.recv_into(target[self._filled:] if self._filled else target)
+                except BlockingIOError:
+                    return replied, read_any
+                if not got:
+                    raise _StreamLost("closed", "peer closed the connection", replied, refusals)
+                read_any = True
+                self._filled += got
+                if self._filled == len(target):
+                    self._target = None
+                    replied += 1
+                continue
+            # READ replies are read header-exact, so their data never lands in the scratch
+            exact = frames[replied].target is not None
+            header = self._refusal
+            if header is None:
+                if not self._fill(wire.HEADER_SIZE, exact, replied, refusals):
+                    return replied, read_any
+                read_any = True
+                start = self._start
+                header = self.proto.on_reply_header(self._view[start:start + wire.HEADER_SIZE])
+                self._start = start + wire.HEADER_SIZE
+                if header.flags & wire.FLAG_ERROR_TEXT:
+                    self._refusal = header
+            if header.flags & wire.FLAG_ERROR_TEXT:
+                if not self._fill(header.length, exact, replied, refusals):
+                    return replied, read_any
+                read_any = True
+                text = bytes(self._view[self._start:self._start + header.length])
+                self._start += header.length
+                self._refusal = None
+                refusals.append((replied, wire.reply_error(header, text)))
+                replied += 1
+                continue
+            target = frames[replied].target
+            if target is None or header.length == 0:
+                replied += 1
+                continue
+            have = min(self._end - self._start, header.length)
+            if have:  # only after a peer bug; keeps the stream in step anyway
+                target[:have] = self._view[self._start:self._start + have]
+                self._start += have
+            self._target, self._filled = target, have
+            if have == len(target):
+                self._target = None
+                replied += 1
+        return replied, read_any
+
+    def _fill(self, need: int, exact: bool, replied: int,
+              refusals: list[tuple[int, HixlError]]) -> bool:
+        """Have `need` unread bytes in the scratch; False when the socket has no more now.
+
+        `exact` reads no further than `need`, so bytes after it stay in the socket.
+        """
+        while self._end - self._start < need:
+            if self._start == self._end:
+                self._start = self._end = 0
+            elif self._start + need > _SCRATCH:
+                have = self._end - self._start
+                self._scratch[:have] = self._scratch[self._start:self._end]
+                self._start, self._end = 0, have
+            want = need - (self._end - self._start) if exact else _SCRATCH - self._end
+            try:
+                got = self.sock.recv_into(self._view[self._end:self._end + want], want)
+            except BlockingIOError:
+                return False
+            if not got:
+                raise _StreamLost("closed", "peer closed the connection", replied, refusals)
+            self._end += got
+        return True
+
+    def _wait(self, events: int, deadline: float, replied: int,
+              refusals: list[tuple[int, HixlError]]) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _StreamLost("timeout", "deadline passed", replied, refusals)
+        self._poll.modify(self.sock.fileno(), events)
+        self._poll.poll(math.ceil(remaining * 1000))
+
+
+class SocketTransport(Transport):
+    """Client of one remote agent's data port (TCP, or a unix socket on the same node)."""
+
+    def __init__(self, address: str, *, identity: str = "", connect_timeout: float = 5.0,
+                 max_connections: int = 4, frame_limit: int = wire.MAX_PAYLOAD) -> None:
+        self.name, self._family, self._sockaddr = parse_address(address)
+        if max_connections < 1:
+            raise ParamInvalid(f"max_connections must be >= 1, got {max_connections}")
+        if not 0 < frame_limit <= wire.MAX_PAYLOAD:
+            raise ParamInvalid(f"frame_limit must be in [1, {wire.MAX_PAYLOAD}], got {frame_limit}")
+        self.address = address
+        self._identity = identity.encode("utf-8")
+        if len(self._identity) > wire.MAX_HELLO:
+            raise ParamInvalid(f"identity is {len(self._identity)} bytes, at most {wire.MAX_HELLO}")
+        self._connect_timeout = connect_timeout
+        self._max_connections = max_connections
+        self._frame_limit = frame_limit
+        self._cond = threading.Condition()
+        self._idle: list[_Connection] = []
+        self._live: set[_Connection] = set()
+        self._opening = 0
+        self._closed = False
+
+    # ------------------------------------------------------------ public API
+
+    def transfer(self, op: TransferOp, items: Sequence[Item], deadline: float) -> None:
+        if not items:
+            if self._closed:
+                raise NotConnected(f"data connection to {self.address} is closed")
+            return
+        conn = self._acquire(deadline, [item.index for item in items])
+        try:
+            frames = self._frames(conn.proto, op, items)
+        except BaseException:
+            self._release(conn, reusable=False)
+            raise
+        what = f"{op.name} of {len(items)} op(s) with {self.address}"
+        refusals = self._exchange(conn, frames, deadline, what, items)
+        if refusals:
+            failed = sorted({items[frames[n].pos].index for n, _ in refusals})
+            first = refusals[0][1]
+            first.failed = failed
+            raise first
+
+    def ping(self, deadline: float) -> None:
+        """One round trip on a pooled connection: proves the agent's data port answers."""
+        conn = self._acquire(deadline, [])
+        frames = [_Frame(-1, conn.proto.ping(), None, None)]
+        refusals = self._exchange(conn, frames, deadline, f"ping of {self.address}", ())
+        if refusals:
+            raise refusals[0][1]
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            busy = [conn for conn in self._live if conn not in idle]
+            self._live.difference_update(idle)
+            self._cond.notify_all()
+        for conn in idle:
+            conn.close()
+        for conn in busy:  # their transfers fail now instead of running on
+            conn.abort()
+
+    # ------------------------------------------------------------ internals
+
+    def _frames(self, proto: wire.ClientProtocol, op: TransferOp,
+                items: Sequence[Item]) -> list[_Frame]:
+        frames: list[_Frame] = []
+        limit = self._frame_limit
+        writing = op == TransferOp.WRITE
+        encode = proto.write if writing else proto.read
+        for pos, item in enumerate(items):
+            view = local_view(item.local_addr, item.length, writable=not writing)
+            seg = item.segment
+            if item.length <= limit:
+                header = encode(seg.segment_id, seg.epoch, item.remote_addr, item.length)
+                frames.append(_Frame(pos, header, view, None) if writing
+                              else _Frame(pos, header, None, view))
+                continue
+            for offset, length in wire.split(item.remote_addr, item.length, limit):
+                part = view[offset:offset + length]
+                header = encode(seg.segment_id, seg.epoch, item.remote_addr + offset, length)
+                frames.append(_Frame(pos, header, part, None) if writing
+                              else _Frame(pos, header, None, part))
+        return frames
+
+    def _exchange(self, conn: _Connection, frames: list[_Frame], deadline: float, what: str,
+                  items: Sequence[Item]) -> list[tuple[int, HixlError]]:
+        """Run frames on `conn`, return it to the pool or drop it, map stream failures."""
+        try:
+            refusals = conn.exchange(frames, deadline)
+        except _StreamLost as lost:
+            self._release(conn, reusable=False)
+            # an item is done only when every one of its frames was acknowledged
+            undone = {frame.pos for frame in frames[lost.replied:]}
+            undone.update(frames[n].pos for n, _ in lost.refusals)
+            undone.discard(-1)
+            failed = sorted(items[pos].index for pos in undone)
+            if self._closed:
+                raise NotConnected(f"{what}: transport closed during the transfer",
+                                   failed=failed) from None
+            if lost.kind == "timeout":
+                raise TransferTimeout(f"{what} timed out: {len(failed)} op(s) not acknowledged "
+                                      f"by the peer", failed=failed) from None
+            if lost.kind == "protocol":
+                raise TransferFailed(f"{what} failed: {lost}", failed=failed) from None
+            raise PeerUnavailable(f"{what} failed: {lost}; {len(failed)} op(s) not acknowledged",
+                                  failed=failed) from None
+        except BaseException:
+            self._release(conn, reusable=False)
+            raise
+        self._release(conn, reusable=True)
+        return refusals
+
+    def _acquire(self, deadline: float, indexes: list[int]) -> _Connection:
+        """An idle connection, a new one (up to max_connections), or wait for one."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise NotConnected(f"data connection to {self.address} is closed",
+                                       failed=indexes)
+                while self._idle:
+                    pooled = self._idle.pop()
+                    if not pooled.is_stale():
+                        return pooled
+                    self._live.discard(pooled)  # the agent closed it (stopped, restarted)
+                    pooled.close()
+                if len(self._live) + self._opening < self._max_connections:
+                    self._opening += 1
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferTimeout(
+                        f"all {self._max_connections} data connections to {self.address} stayed "
+                        "busy until the deadline", failed=indexes)
+                self._cond.wait(remaining)
+        conn: _Connection | None = None
+        try:
+            conn = self._connect(deadline)
+        except HixlError as exc:
+            exc.failed = indexes
+            raise
+        finally:
+            with self._cond:
+                self._opening -= 1
+                if conn is not None and not self._closed:
+                    self._live.add(conn)
+                self._cond.notify()
+        if self._closed:
+            self._release(conn, reusable=False)
+            raise NotConnected(f"data connection to {self.address} is closed", failed=indexes)
+        return conn
+
+    def _connect(self, deadline: float) -> _Connection:
+        """Open a stream and do the HELLO, within the deadline and connect_timeout."""
+        limit = min(deadline, time.monotonic() + self._connect_timeout)
+        timeout_error: type[HixlError] = (TransferTimeout if limit == deadline
+                                          else PeerUnavailable)
+        remaining = limit - time.monotonic()
+        if remaining <= 0:
+            raise TransferTimeout(f"deadline passed before connecting to {self.address}")
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            tune_socket(sock)
+            sock.settimeout(remaining)
+            sock.connect(self._sockaddr)
+            sock.setblocking(False)
+        except TimeoutError:
+            sock.close()
+            raise timeout_error(f"connecting to {self.address} timed out") from None
+        except OSError as exc:
+            sock.close()
+            reason = exc.strerror or str(exc)
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                reason = "connection refused (no agent listening there)"
+            raise PeerUnavailable(f"cannot connect to {self.address}: {reason}") from None
+        conn = _Connection(sock)
+        frames = [_Frame(-1, conn.proto.hello(self._identity), None, None)]  # identity included
+        try:
+            refusals = conn.exchange(frames, limit)
+        except _StreamLost as lost:
+            conn.close()
+            cls = timeout_error if lost.kind == "timeout" else PeerUnavailable
+            raise cls(f"handshake with {self.address} failed: {lost}") from None
+        except BaseException:
+            conn.close()
+            raise
+        if refusals:
+            conn.close()
+            raise refusals[0][1]
+        log.debug("data connection to %s open", self.address)
+        return conn
+
+    def _release(self, conn: _Connection, *, reusable: bool) -> None:
+        with self._cond:
+            if reusable and not self._closed and conn in self._live:
+                self._idle.append(conn)
+            else:
+                self._live.discard(conn)
+                conn.close()
+            self._cond.notify()

@@ -1,0 +1,394 @@
+"""The agent's domain object: the segments this agent serves, with no networking inside.
+
+One class serves both shapes of agent: the standalone daemon (segments it allocates from
+its own DRAM pool, or maps from fds local clients deposit) and the agent embedded in an
+engine (the caller's own registered memory). The gRPC servicer, the fd socket and the
+data server are thin adapters over it.
+
+Threading: mutations take one lock; `resolve()` — called by data-server threads for every
+frame — is a plain dict read with no lock (dict get/set are atomic under the GIL, and an
+entry is fully built before it is published).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hixl import wire
+from hixl.errors import (
+    HixlError,
+    ParamInvalid,
+    PermissionDenied,
+    ResourceExhausted,
+    StaleEpoch,
+)
+from hixl.memory import Mapping, ShmSegment, round_up
+from hixl.table import AddressTable, check_range
+from hixl.types import MemType, Perm, SegmentInfo
+
+log = logging.getLogger("hixl.agent")
+
+#: a change event: ("ADDED" | "REMOVED", the segments concerned)
+Listener = Callable[[str, list[SegmentInfo]], None]
+
+ADDED = "ADDED"
+REMOVED = "REMOVED"
+
+
+EPOCH_ORIGIN_S = 1_767_225_600  # 2026-01-01T00:00:00Z
+
+
+def new_epoch() -> int:
+    """A nonzero u32 that grows with each restart: tenths of a second since 2026.
+
+    Growing (not random) so the registry can tell a restart (newer epoch, replaces the
+    old lease) from a zombie (older epoch, refused). An agent takes far longer than
+    0.1 s to restart, so two lives of one engine never share an epoch; it wraps after
+    13 years.
+    """
+    return (int((time.time() - EPOCH_ORIGIN_S) * 10) % 0xFFFF_FFFF) + 1
+
+
+def _reopen(fd: int, writable: bool) -> int:
+    """A fresh fd on the same file, O_RDONLY or O_RDWR (so read-only peers cannot map it rw)."""
+    return os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+
+
+@dataclass(eq=False)
+class _Entry:
+    info: SegmentInfo
+    served: wire.ServedSegment
+    kind: str                       # "allocated" | "memory" | "fd"
+    owner: str
+    charged: int = 0                # bytes charged to pool_max_bytes
+    export: Callable[[bool], int] | None = None   # writable -> new fd; None = not shareable
+    owned: list[Any] = field(default_factory=list)  # Mapping / fd ints to release
+
+
+class Agent:
+    """Segments served by one agent process, keyed by segment id and by address."""
+
+    def __init__(self, engine_name: str, node_id: str, *, pool_max_bytes: int = 1 << 30,
+                 epoch: int | None = None) -> None:
+        self.engine_name = engine_name
+        self.node_id = node_id
+        self.epoch = epoch if epoch is not None else new_epoch()
+        self.pool_max_bytes = pool_max_bytes
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self._served: dict[int, wire.ServedSegment] = {}
+        self._table: AddressTable[int] = AddressTable()
+        self._ids = itertools.count(1)
+        self._charged = 0
+        self._listeners: list[Listener] = []
+        self._deferred: list[Mapping] = []  # mappings still viewed by an in-flight transfer
+        self._closed = False
+        self._counters = {"allocations": 0, "registrations": 0, "deregistrations": 0,
+                          "fds_exported": 0, "export_refusals": 0}
+
+    # ------------------------------------------------------------ queries
+
+    def resolve(self, segment_id: int) -> wire.ServedSegment | None:
+        """The data path's lookup: lock-free, O(1)."""
+        return self._served.get(segment_id)
+
+    def segments(self) -> list[SegmentInfo]:
+        with self._lock:
+            return [e.info for e in self._entries.values()]
+
+    def segment(self, segment_id: int) -> SegmentInfo:
+        entry = self._entries.get(segment_id)
+        if entry is None:
+            raise ParamInvalid(f"segment {segment_id} is not registered (already deregistered?)")
+        return entry.info
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._counters)
+            out["segments"] = len(self._entries)
+            out["segment_bytes"] = sum(e.info.length for e in self._entries.values())
+            out["pool_bytes_charged"] = self._charged
+            out["pool_bytes_max"] = self.pool_max_bytes
+            out["deferred_unmaps"] = len(self._deferred)
+        return out
+
+    # ------------------------------------------------------------ subscriptions
+
+    def subscribe(self, listener: Listener) -> list[SegmentInfo]:
+        """Call `listener(kind, segments)` on every change; returns the current table.
+
+        Snapshot and subscription are atomic, so a watcher misses nothing and sees nothing
+        twice. Listeners run under the agent lock, in change order: they must only hand
+        the event off (queue it, set a flag) and never call back into the agent.
+        """
+        with self._lock:
+            self._listeners.append(listener)
+            return [e.info for e in self._entries.values()]
+
+    def unsubscribe(self, listener: Listener) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    def _notify(self, kind: str, infos: list[SegmentInfo]) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(kind, infos)
+            except Exception:  # noqa: BLE001 - one broken watcher must not break the agent
+                log.exception("segment listener failed")
+
+    # ------------------------------------------------------------ mutations
+
+    def allocate(self, size: int, perms: Perm = Perm.RW, name: str = "", owner: str = "", *,
+                 budgeted: bool = True) -> SegmentInfo:
+        """A new shm segment from this agent's DRAM, shareable with same-node peers.
+
+        Charged (page-rounded) to `pool_max_bytes` unless `budgeted` is False (the
+        configured pool itself); over budget -> ResourceExhausted naming needed/available.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ParamInvalid(f"allocation size must be a positive integer, got {size!r}")
+        perms = _check_perms(perms)
+        rounded = round_up(size)
+        with self._lock:
+            self._check_open()
+            if budgeted:
+                available = self.pool_max_bytes - self._charged
+                if rounded > available:
+                    raise ResourceExhausted(
+                        f"cannot allocate {rounded} bytes ({name or 'unnamed'} for "
+                        f"{owner or 'unknown owner'}): only {available} of pool_max_bytes="
+                        f"{self.pool_max_bytes} left")
+                self._charged += rounded
+        try:
+            shm = ShmSegment(size, name=f"hixl:{name or 'segment'}")
+        except BaseException:
+            if budgeted:
+                with self._lock:
+                    self._charged -= rounded
+            raise
+        try:
+            return self._add(
+                kind="allocated", base=shm.addr, length=shm.length, perms=perms, name=name,
+                owner=owner, memory=shm.view(), export=lambda w: shm.export_fd(writable=w),
+                owned=[shm], charged=rounded if budgeted else 0, counter="allocations")
+        except BaseException:
+            if budgeted:
+                with self._lock:
+                    self._charged -= rounded
+            _release(shm)
+            raise
+
+    def register_memory(self, addr: int, length: int, perms: Perm = Perm.RW, name: str = "",
+                        owner: str = "", keepalive: Any = None,
+                        shm: ShmSegment | None = None) -> SegmentInfo:
+        """Serve caller memory [addr, addr+length) (the embedded shape).
+
+        The caller keeps the memory valid until deregister; `keepalive` is held till then.
+        Shareable (peers may map it) only when it is the start of `shm`. Overlapping an
+        existing registration is refused.
+        """
+        check_range(addr, length, "register_memory")
+        perms = _check_perms(perms)
+        if shm is not None:
+            if shm.fd < 0:
+                raise ParamInvalid("register_memory: the shm segment is closed")
+            if addr != shm.addr or length > shm.length:
+                raise ParamInvalid(
+                    f"register_memory: [{addr:#x}, +{length}) must start at its shm segment "
+                    f"{shm.addr:#x} and fit in its {shm.length} bytes")
+            memory = shm.view()[:length]
+            export: Callable[[bool], int] | None = lambda w: shm.export_fd(writable=w)  # noqa: E731
+        else:
+            memory = _memory_at(addr, length, keepalive)
+            export = None
+        return self._add(kind="memory", base=addr, length=length, perms=perms, name=name,
+                         owner=owner, memory=memory, export=export, owned=[],
+                         charged=0, counter="registrations")
+
+    def register_fd(self, fd: int, length: int, perms: Perm = Perm.RW, name: str = "",
+                    owner: str = "") -> SegmentInfo:
+        """Map a client's memfd (deposited over the fd socket) and serve it; shareable.
+
+        The agent keeps its own duplicate: the caller still owns (and closes) `fd`.
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+            raise ParamInvalid(f"register_fd: length must be a positive integer, got {length!r}")
+        perms = _check_perms(perms)
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise ParamInvalid(f"register_fd: fd {fd} is not usable: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ParamInvalid("register_fd: the fd is not a memfd or regular shm file")
+        if st.st_size < length:
+            raise ParamInvalid(
+                f"register_fd: the file holds {st.st_size} bytes, fewer than length {length}")
+        own_fd = os.dup(fd)
+        try:
+            mapping = Mapping(own_fd, length, writable=bool(perms & Perm.WRITE))
+        except BaseException:
+            os.close(own_fd)
+            raise
+        try:
+            return self._add(
+                kind="fd", base=mapping.addr, length=length, perms=perms, name=name,
+                owner=owner, memory=mapping.view(), export=lambda w: _reopen(own_fd, w),
+                owned=[mapping, own_fd], charged=0, counter="registrations")
+        except BaseException:
+            _release(mapping)
+            os.close(own_fd)
+            raise
+
+    def deregister(self, segment_id: int, epoch: int | None = None) -> SegmentInfo:
+        """Stop serving a segment (frames naming it are refused from now on)."""
+        with self._lock:
+            self._check_epoch(segment_id, epoch)
+            entry = self._entries.get(segment_id)
+            if entry is None:
+                raise ParamInvalid(
+                    f"segment {segment_id} is not registered (already deregistered?)")
+            del self._served[segment_id]
+            del self._entries[segment_id]
+            self._table.remove(entry.info.base)
+            self._charged -= entry.charged
+            self._counters["deregistrations"] += 1
+            self._notify(REMOVED, [entry.info])
+            info, owned, entry.owned = entry.info, entry.owned, []
+            del entry  # drop our view of the memory, or the unmap below would be refused
+        self._release_all(owned)
+        return info
+
+    def export_fd(self, segment_id: int, epoch: int, writable: bool) -> int:
+        """A new fd for a same-node peer to map; the caller closes it.
+
+        Read-only segments only ever give O_RDONLY fds, so a peer's PROT_WRITE map fails.
+        """
+        self._check_epoch(segment_id, epoch)
+        entry = self._entries.get(segment_id)
+        if entry is None:
+            raise ParamInvalid(f"segment {segment_id} is not registered (already deregistered?)")
+        if entry.export is None:
+            self._count("export_refusals")
+            raise ParamInvalid(
+                f"segment {segment_id} ({entry.info.name or entry.kind}) is not shareable: "
+                "it is plain process memory; use the data path, or register shm memory")
+        if writable and not entry.info.perms & Perm.WRITE:
+            self._count("export_refusals")
+            raise PermissionDenied(
+                f"segment {segment_id} is read-only (perms {entry.info.perms}); "
+                "ask for a read-only fd")
+        if not writable and not entry.info.perms & Perm.READ:
+            self._count("export_refusals")
+            raise PermissionDenied(f"segment {segment_id} is write-only; it cannot be read")
+        try:
+            fd = entry.export(writable)
+        except OSError as exc:
+            raise HixlError(f"segment {segment_id}: cannot open a new fd: {exc}") from None
+        self._count("fds_exported")
+        return fd
+
+    def close(self) -> None:
+        """Release every segment; later mutations raise."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._served.clear()
+            self._table.clear()
+            self._listeners.clear()
+            self._charged = 0
+        owned = [item for entry in entries for item in entry.owned]
+        del entries
+        self._release_all(owned)
+        self._retry_deferred()
+
+    # ------------------------------------------------------------ internals
+
+    def _add(self, *, kind: str, base: int, length: int, perms: Perm, name: str, owner: str,
+             memory: memoryview, export: Callable[[bool], int] | None, owned: list[Any],
+             charged: int, counter: str) -> SegmentInfo:
+        with self._lock:
+            self._check_open()
+            segment_id = next(self._ids)
+            self._table.insert(base, length, segment_id)  # refuses overlaps
+            info = SegmentInfo(
+                segment_id=segment_id, engine=self.engine_name, node_id=self.node_id,
+                base=base, length=length, mem_type=MemType.MEM_HOST, perms=perms,
+                epoch=self.epoch, shareable=export is not None, name=name)
+            served = wire.ServedSegment(segment_id, self.epoch, base, length, perms, memory)
+            self._entries[segment_id] = _Entry(info, served, kind, owner, charged, export, owned)
+            self._served[segment_id] = served
+            self._counters[counter] += 1
+            self._notify(ADDED, [info])
+        self._retry_deferred()
+        log.info("serving segment %d %s %s [%#x, +%d) perms=%s owner=%s", segment_id, kind,
+                 name or "-", base, length, perms, owner or "-")
+        return info
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ParamInvalid(f"agent {self.engine_name} is closed")
+
+    def _check_epoch(self, segment_id: int, epoch: int | None) -> None:
+        if epoch is not None and epoch != self.epoch:
+            raise StaleEpoch(
+                f"segment {segment_id} epoch {epoch} is stale: agent {self.engine_name} "
+                f"now runs epoch {self.epoch} (it restarted); refresh its segment table")
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counters[name] += 1
+
+    def _release_all(self, owned: list[Any]) -> None:
+        for item in owned:
+            if isinstance(item, int):
+                with contextlib.suppress(OSError):
+                    os.close(item)
+            elif not _release(item):
+                with self._lock:
+                    self._deferred.append(item)
+
+    def _retry_deferred(self) -> None:
+        with self._lock:
+            pending, self._deferred = self._deferred, []
+        still = [m for m in pending if not _release(m)]
+        if still:
+            with self._lock:
+                self._deferred.extend(still)
+
+
+def _release(mapping: Mapping) -> bool:
+    """Unmap (and close the memfd); False while a data-path thread still views the memory."""
+    try:
+        mapping.close()
+    except BufferError:
+        return False
+    return True
+
+
+def _check_perms(perms: object) -> Perm:
+    if isinstance(perms, bool) or not isinstance(perms, int) or int(perms) & ~int(Perm.RW):
+        raise ParamInvalid(f"permissions must be Perm.READ, Perm.WRITE or Perm.RW, got {perms!r}")
+    perm = Perm(perms)
+    if not perm:
+        raise ParamInvalid("a segment nobody may read or write is useless: give perms r, w or rw")
+    return perm
+
+
+def _memory_at(addr: int, length: int, keepalive: Any) -> memoryview:
+    """A writable byte view of caller memory that keeps `keepalive` alive as long as it."""
+    array = (ctypes.c_ubyte * length).from_address(addr)
+    array._hixl_keepalive = keepalive  # type: ignore[attr-defined]  # pinned by every slice
+    return memoryview(array).cast("B")

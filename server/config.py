@@ -1,0 +1,403 @@
+"""hixl-agent configuration: one dataclass, every key documented, three layered sources.
+
+Precedence (later wins): defaults < YAML file (`--config`) < environment variables
+`HIXL_AGENT_<KEY>` (key upper-cased) < command-line flags / explicit overrides.
+
+Anything unusable — an unknown key, a wrong type, a bad size — raises ConfigError naming
+the key and where it came from, so a typo never silently falls back to a default.
+`AgentConfig.describe()` enumerates every key (type, default, meaning) for docs and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import yaml
+
+from hixl.control import node_identity
+from hixl.errors import ConfigError
+from hixl.types import Perm
+
+ENV_PREFIX = "HIXL_AGENT_"
+DEFAULT_GRPC_PORT = 50161
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# dd(1)-style units: K/KiB = 1024, KB = 1000 (and so on up to T).
+_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _i, _letter in enumerate("kmgt", start=1):
+    _UNITS[_letter] = _UNITS[_letter + "ib"] = 1024 ** _i
+    _UNITS[_letter + "b"] = 1000 ** _i
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a text like "4096", "64MiB", "1GiB", "16MB", "1.5G".
+
+    Units as in dd(1): K/KiB/M/MiB/G/GiB/T/TiB are powers of 1024, KB/MB/GB/TB powers
+    of 1000 (case-insensitive). The result must be a positive whole number of bytes.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"size must be a number of bytes or a text like '64MiB', got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ConfigError(
+                f"size {value!r} is not understood; use bytes or a unit like 64MiB, 1GiB, 16MB")
+        try:
+            exact = Decimal(match.group(1)) * _UNITS[unit]
+        except InvalidOperation:  # pragma: no cover - the regex admits only decimals
+            raise ConfigError(f"size {value!r} is not a number") from None
+        if exact != exact.to_integral_value():
+            raise ConfigError(f"size {value!r} is not a whole number of bytes")
+        number = int(exact)
+    else:
+        raise ConfigError(
+            f"size must be a number of bytes or a text like '64MiB', got {type(value).__name__}")
+    if number <= 0:
+        raise ConfigError(f"size must be positive, got {value!r}")
+    return number
+
+
+def default_runtime_dir() -> str:
+    """/run/hixl if this user may create or write it, else $XDG_RUNTIME_DIR/hixl, else /tmp/hixl-<uid>."""
+    if os.access("/run/hixl", os.W_OK) or (
+            not os.path.exists("/run/hixl") and os.access("/run", os.W_OK)):
+        return "/run/hixl"
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        return os.path.join(xdg, "hixl")
+    return f"/tmp/hixl-{os.getuid()}"
+
+
+def _default_uids() -> list[int]:
+    return sorted({os.getuid(), 0})
+
+
+@dataclass(frozen=True)
+class PoolEntry:
+    """One segment of the node's DRAM pool, created when the agent starts."""
+
+    name: str
+    size: int
+    perms: Perm = Perm.RW
+
+
+# ---------------------------------------------------------------- converters
+# Each takes the raw value and whether it came as text (environment variable) and returns
+# the typed value or raises ValueError with a message; the loader adds key and source.
+
+def _as_str(value: object, text: bool) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"must be a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _as_int(value: object, text: bool) -> int:
+    if text and isinstance(value, str):
+        try:
+            return int(value.strip(), 0)
+        except ValueError:
+            raise ValueError(f"must be an integer, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _as_port(value: object, text: bool) -> int:
+    port = _as_int(value, text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"must be a TCP port in [0, 65535] (0 = any free port), got {port}")
+    return port
+
+
+def _as_positive_int(value: object, text: bool) -> int:
+    number = _as_int(value, text)
+    if number <= 0:
+        raise ValueError(f"must be positive, got {number}")
+    return number
+
+
+def _as_bool(value: object, text: bool) -> bool:
+    if text and isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"must be true/false (or 1/0, yes/no), got {value!r}")
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _as_size(value: object, text: bool) -> int:
+    try:
+        return parse_size(value)
+    except ConfigError as exc:
+        raise ValueError(exc.args[0]) from None
+
+
+def _as_mode(value: object, text: bool) -> int:
+    """A file mode: an int (YAML reads 0660 as octal) or octal text "0660" / "0o660"."""
+    if isinstance(value, str):
+        digits = value.strip().lower().removeprefix("0o")
+        try:
+            mode = int(digits, 8)
+        except ValueError:
+            raise ValueError(f"must be an octal file mode like 0660, got {value!r}") from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        mode = value
+    else:
+        raise ValueError(f"must be an octal file mode like 0660, got {type(value).__name__}")
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"must be a permission mode in [0, 0o777], got {oct(mode)}")
+    return mode
+
+
+def _as_uid_list(value: object, text: bool) -> list[int]:
+    if text and isinstance(value, str):
+        parts = [p for p in re.split(r"[,\s]+", value.strip().strip("[]")) if p]
+        value = parts
+        text_items = True
+    else:
+        text_items = False
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list of user ids, got {type(value).__name__} {value!r}")
+    uids = []
+    for item in value:
+        uid = _as_int(item, text_items)
+        if uid < 0:
+            raise ValueError(f"user id must not be negative, got {uid}")
+        uids.append(uid)
+    return uids
+
+
+def _as_log_level(value: object, text: bool) -> str:
+    level = _as_str(value, text).strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return level
+
+
+_POOL_KEYS = ("name", "size", "perms")
+
+
+def _as_pool(value: object, text: bool) -> list[PoolEntry]:
+    if text and isinstance(value, str):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"is not a YAML/JSON list: {exc}") from None
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(
+            "must be a list of {name, size, perms} entries, got " + type(value).__name__)
+    entries: list[PoolEntry] = []
+    for i, item in enumerate(value):
+        where = f"entry [{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be a mapping with name/size/perms")
+        unknown = sorted(set(map(str, item)) - set(_POOL_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_POOL_KEYS)})")
+        if "size" not in item:
+            raise ValueError(f"{where}: 'size' is required")
+        name = item.get("name", f"pool-{i}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: 'name' must be a non-empty string")
+        try:
+            size = parse_size(item["size"])
+        except ConfigError as exc:
+            raise ValueError(f"{where}: {exc.args[0]}") from None
+        perms_text = item.get("perms", "rw")
+        try:
+            perms = Perm.parse(perms_text) if isinstance(perms_text, str) else None
+        except ValueError:
+            perms = None
+        if not perms:
+            raise ValueError(f"{where}: 'perms' must be 'r', 'w' or 'rw', got {perms_text!r}")
+        if any(e.name == name for e in entries):
+            raise ValueError(f"{where}: duplicate pool segment name {name!r}")
+        entries.append(PoolEntry(name, size, perms))
+    return entries
+
+
+Converter = Callable[[object, bool], Any]
+
+
+def _key(converter: Converter, doc: str, type_name: str) -> dict[str, Any]:
+    return {"converter": converter, "doc": doc, "type": type_name}
+
+
+# ---------------------------------------------------------------- the config
+
+@dataclass
+class AgentConfig:
+    """Everything hixl-agent (or an embedded agent) needs; see `describe()` per key."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int = DEFAULT_GRPC_PORT
+    data_port: int = 0
+    data_unix: bool = True
+    runtime_dir: str = field(default_factory=default_runtime_dir)
+    node_id: str = field(default_factory=node_identity)
+    pool: list[PoolEntry] = field(default_factory=list)
+    pool_max_bytes: int = 1 << 30
+    master: str = ""
+    lease_ttl_ms: int = 10_000
+    socket_mode: int = 0o660
+    allowed_uids: list[int] = field(default_factory=_default_uids)
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    # key -> converter, documentation, type; kept beside the fields and checked to match.
+    KEYS = {
+        "host": _key(_as_str,
+                     "Interface the gRPC and TCP data servers bind, and the host part of the "
+                     "engine name (\"host:grpc_port\") that peers dial. Use the node's "
+                     "reachable address on multi-node clusters.", "str"),
+        "grpc_port": _key(_as_port,
+                          f"gRPC control-plane port (default {DEFAULT_GRPC_PORT}); 0 picks a "
+                          "free port and the engine name uses the actual one.", "port"),
+        "data_port": _key(_as_port, "TCP data-path port; 0 (default) picks a free port.", "port"),
+        "data_unix": _key(_as_bool,
+                          "Also serve the data path on a unix socket "
+                          "<runtime_dir>/agent-<grpc_port>.data.sock for same-node peers.",
+                          "bool"),
+        "runtime_dir": _key(_as_str,
+                            "Directory for the unix sockets (fd socket, unix data socket); "
+                            "default /run/hixl if writable, else $XDG_RUNTIME_DIR/hixl, "
+                            "else /tmp/hixl-<uid>.", "path"),
+        "node_id": _key(_as_str,
+                        "This node's name and fabric domain; default hostname:boot-id "
+                        "(8 chars). Agents with the same node_id map each other's segments.",
+                        "str"),
+        "pool": _key(_as_pool,
+                     "DRAM pool segments created at start: a list of {name, size, perms} "
+                     "(size like 1GiB/64MiB/bytes, perms 'rw' or 'r'). Not charged to "
+                     "pool_max_bytes.", "list"),
+        "pool_max_bytes": _key(_as_size,
+                               "Budget for segments clients allocate at run time "
+                               "(AllocateSegment); default 1GiB.", "size"),
+        "master": _key(_as_str,
+                       "hixl-master address (\"host:port\") to publish segments to; empty "
+                       "(default) runs an embedded registry on this agent's gRPC port.",
+                       "str"),
+        "lease_ttl_ms": _key(_as_positive_int,
+                             "Registry lease time-to-live in ms; the agent renews it every "
+                             "ttl/3. Default 10000.", "int"),
+        "socket_mode": _key(_as_mode,
+                            "File mode of the unix sockets (octal, default 0660).", "mode"),
+        "allowed_uids": _key(_as_uid_list,
+                             "User ids allowed on the fd socket (SO_PEERCRED check); default "
+                             "the agent's uid and root.", "list[int]"),
+        "log_level": _key(_as_log_level, "DEBUG, INFO (default), WARNING or ERROR.", "str"),
+        "log_json": _key(_as_bool, "Log one JSON object per line instead of text.", "bool"),
+    }
+
+    @classmethod
+    def describe(cls) -> dict[str, dict[str, str]]:
+        """Every key with its type, default and meaning (for docs, --help and tests)."""
+        defaults = cls()
+        out: dict[str, dict[str, str]] = {}
+        for name, spec in cls.KEYS.items():
+            value = getattr(defaults, name)
+            if name == "socket_mode":
+                shown = oct(value)
+            elif name == "pool":
+                shown = "[]"
+            else:
+                shown = repr(value)
+            out[name] = {"type": spec["type"], "default": shown, "doc": spec["doc"],
+                         "env": ENV_PREFIX + name.upper()}
+        return out
+
+    @classmethod
+    def load(cls, path: str | None = None, overrides: Mapping[str, Any] | None = None,
+             env: Mapping[str, str] | None = None) -> AgentConfig:
+        """Defaults, then the YAML file at `path`, then HIXL_AGENT_* in `env`, then `overrides`.
+
+        `env` defaults to os.environ; pass {} to ignore the environment.
+        """
+        values: dict[str, Any] = {}
+        if path:
+            for key, raw in _read_yaml(path).items():
+                values[key] = _convert(key, raw, False, f"config file {path}")
+        environ = os.environ if env is None else env
+        for var, raw in sorted(environ.items()):
+            if not var.startswith(ENV_PREFIX):
+                continue
+            key = var[len(ENV_PREFIX):].lower()
+            values[key] = _convert(key, raw, True, f"environment variable {var}")
+        for key, raw in (overrides or {}).items():
+            if raw is None:
+                continue  # a flag that was not given
+            # flags arrive as text ("--grpc-port 0"); programmatic overrides may be typed
+            values[key] = _convert(key, raw, isinstance(raw, str), f"command-line option {key}")
+        config = cls(**values)
+        config._check(path)
+        return config
+
+    def _check(self, path: str | None) -> None:
+        where = f"config file {path}" if path else "configuration"
+        if self.grpc_port and self.grpc_port == self.data_port:
+            raise ConfigError(f"{where}: key 'data_port': {self.data_port} is also grpc_port")
+        if not self.host:
+            raise ConfigError(f"{where}: key 'host' must not be empty")
+        if not self.runtime_dir or not os.path.isabs(self.runtime_dir):
+            raise ConfigError(
+                f"{where}: key 'runtime_dir' must be an absolute path, got {self.runtime_dir!r}")
+        if not self.node_id:
+            raise ConfigError(f"{where}: key 'node_id' must not be empty")
+
+    @property
+    def log_level_number(self) -> int:
+        return int(getattr(logging, self.log_level))
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {path}: the top level must be a mapping of keys, "
+            f"got {type(data).__name__}")
+    return {str(k): v for k, v in data.items()}
+
+
+def _convert(key: str, raw: object, text: bool, source: str) -> Any:
+    spec = AgentConfig.KEYS.get(key)
+    if spec is None:
+        raise ConfigError(
+            f"{source}: unknown key {key!r}; known keys: {', '.join(AgentConfig.KEYS)}")
+    try:
+        return spec["converter"](raw, text)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: key {key!r} {exc}") from None
+
+
+def _check_keys_match_fields() -> None:
+    names = [f.name for f in dataclasses.fields(AgentConfig)]
+    if names != list(AgentConfig.KEYS):
+        raise AssertionError(f"AgentConfig fields {names} and KEYS {list(AgentConfig.KEYS)} differ")
+
+
+_check_keys_match_fields()

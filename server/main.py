@@ -1,0 +1,115 @@
+"""Console entry points: `hixl-agent` (the per-node daemon) and `hixl-master`.
+
+hixl-agent prints exactly one line to stdout once it serves — "hixl-agent serving
+engine=HOST:PORT data=... unix=... fd=... epoch=..." — so scripts and tests can wait for
+it; everything else goes to the log (stderr). Exit status: 0 after a clean SIGTERM/SIGINT
+shutdown, 2 for a configuration error, 1 when it cannot start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+from hixl.errors import ConfigError, HixlError
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: int, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if as_json else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def build_agent_parser() -> argparse.ArgumentParser:
+    from hixl.server.config import AgentConfig
+
+    keys = AgentConfig.describe()
+    parser = argparse.ArgumentParser(
+        prog="hixl-agent", allow_abbrev=False,
+        description="hixl per-node agent: owns the node's DRAM pool, publishes its segments "
+                    "and serves one-sided reads/writes into them. Settings come from "
+                    "--config FILE, then HIXL_AGENT_<KEY> environment variables, then flags.")
+    parser.add_argument("--config", metavar="FILE", help="YAML config file")
+    for key in ("host", "grpc_port", "data_port", "runtime_dir", "node_id", "master",
+                "pool_max_bytes", "lease_ttl_ms", "log_level"):
+        parser.add_argument("--" + key.replace("_", "-"), dest=key, metavar=key.upper(),
+                            help=keys[key]["doc"])
+    parser.add_argument("--pool-size", metavar="SIZE",
+                        help="shorthand for one read-write pool segment named 'pool' of SIZE "
+                             "(e.g. 4GiB); replaces any 'pool' list from file or environment")
+    parser.add_argument("--no-data-unix", dest="data_unix", action="store_const", const=False,
+                        help="do not serve the data path on a unix socket")
+    parser.add_argument("--log-json", dest="log_json", action="store_const", const=True,
+                        help="log JSON lines")
+    parser.add_argument("--describe-config", action="store_true",
+                        help="print every config key (type, default, meaning) as JSON and exit")
+    return parser
+
+
+def agent_main(argv: list[str] | None = None) -> int:
+    """The hixl-agent console script."""
+    from hixl.server.config import AgentConfig
+
+    parser = build_agent_parser()
+    args = parser.parse_args(argv)
+    if args.describe_config:
+        print(json.dumps(AgentConfig.describe(), indent=2))
+        return 0
+    overrides = {key: value for key, value in vars(args).items()
+                 if key not in ("config", "pool_size", "describe_config") and value is not None}
+    if args.pool_size is not None:
+        overrides["pool"] = [{"name": "pool", "size": args.pool_size, "perms": "rw"}]
+    try:
+        config = AgentConfig.load(args.config, overrides)
+    except ConfigError as exc:
+        print(f"hixl-agent: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level_number, config.log_json)
+
+    from hixl.server.runtime import AgentServer
+
+    def announce(server: AgentServer) -> None:
+        ends = server.endpoints
+        assert ends is not None and server.agent is not None
+        print(f"hixl-agent serving engine={server.engine_name} data={ends.data_tcp} "
+              f"unix={ends.data_unix or '-'} fd={ends.fd_socket} epoch={server.agent.epoch}",
+              flush=True)
+
+    try:
+        AgentServer(config).serve_forever(on_ready=announce)
+    except HixlError as exc:
+        logging.getLogger("hixl.agent").error("cannot start: %s", exc)
+        print(f"hixl-agent: cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def master_main(argv: list[str] | None = None) -> int:
+    """The hixl-master console script (implemented in hixl.server.registry / master)."""
+    from hixl.server.registry import run_master
+
+    return run_master(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main())

@@ -1,0 +1,532 @@
+"""The address-table registry: the global table of published segments every engine can watch.
+
+Each engine publishes its whole segment table under a lease and keeps the lease alive;
+when the lease expires (the agent died or was cut off) its segments disappear and
+watchers are told. A restarted agent publishes with a newer epoch, which replaces the
+old lease; an older epoch than the one held is refused, so a zombie can never overwrite
+the table of the agent that replaced it.
+
+`Registry` is a plain thread-safe object (no gRPC inside) so agents can embed it and
+tests can drive it with an injected clock; `RegistryServicer` is the thin gRPC skin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from hixl.control import abort_with, segment_from_pb, segment_to_pb
+from hixl.errors import (
+    HixlError,
+    NotConnected,
+    ParamInvalid,
+    ResourceExhausted,
+    StaleEpoch,
+    TransferTimeout,
+)
+from hixl.table import AddressTable, check_range
+from hixl.types import SegmentInfo
+from hixl.v1 import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger("hixl.registry")
+
+DEFAULT_MAX_TTL_MS = 60_000
+DEFAULT_WATCH_QUEUE_LIMIT = 1024
+EXPIRE_EVERY_S = 0.1
+MAX_EPOCH = (1 << 32) - 1  # the proto carries epochs as uint32
+
+#: A watch stream can sit idle for a long time; these let clients ping it (so a dead
+#: master is noticed) without the server treating the pings as abuse. Any gRPC server
+#: that serves the Registry service should be created with them.
+SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+class EventKind(enum.IntEnum):
+    """Same numbering as `SegmentEvent.Kind` in the proto."""
+
+    SNAPSHOT = 0
+    ADDED = 1
+    REMOVED = 2
+
+
+@dataclass(frozen=True)
+class RegistryEvent:
+    """One change batch. SNAPSHOT holds the whole table (epoch 0: it spans engines);
+    ADDED/REMOVED hold one engine's segments and carry that engine's epoch."""
+
+    kind: EventKind
+    epoch: int
+    segments: tuple[SegmentInfo, ...]
+
+
+class Subscription:
+    """A watcher's bounded event queue.
+
+    The registry only ever appends (O(1), never waits); a watcher that lets the queue
+    fill up is dropped with ResourceExhausted so it resubscribes and resyncs from a
+    fresh SNAPSHOT instead of slowing the registry down or silently missing events.
+    """
+
+    def __init__(self, registry: Registry, limit: int) -> None:
+        self._registry = registry
+        self._limit = limit
+        self._cond = threading.Condition()
+        self._events: deque[RegistryEvent] = deque()
+        self._error: HixlError | None = None
+        self._closed = False
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    # -- producer side (called by the registry under its lock) --------------------------
+
+    def _push(self, event: RegistryEvent) -> bool:
+        """Queue an event; False (and the subscription fails) when the watcher is too slow."""
+        with self._cond:
+            if self._closed or self._error is not None:
+                return False
+            if len(self._events) >= self._limit:
+                self._events.clear()
+                self._error = ResourceExhausted(
+                    f"registry watcher fell more than {self._limit} events behind and was "
+                    "dropped; watch again to resync from a fresh snapshot")
+                self._wake_locked()
+                return False
+            self._events.append(event)
+            self._wake_locked()
+            return True
+
+    def _wake_locked(self) -> None:
+        self._cond.notify_all()
+        waiters, self._waiters = self._waiters, []
+        for loop, future in waiters:
+            # RuntimeError: that loop is closed, so nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, future)
+
+    # -- consumer side ------------------------------------------------------------------
+
+    def _take_locked(self) -> RegistryEvent | None:
+        if self._events:
+            return self._events.popleft()
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise NotConnected("registry subscription is closed")
+        return None
+
+    def get(self, timeout: float) -> RegistryEvent:
+        """Next event, waiting at most `timeout` seconds (TransferTimeout after that)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: bool(self._events) or self._error is not None or self._closed,
+                timeout)
+            event = self._take_locked()
+        if event is None:
+            raise TransferTimeout(f"no registry event within {timeout}s")
+        return event
+
+    async def next(self) -> RegistryEvent:
+        """Next event, awaited on the running loop (cancel the task to stop waiting)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                event = self._take_locked()
+                if event is not None:
+                    return event
+                future: asyncio.Future[None] = loop.create_future()
+                self._waiters.append((loop, future))
+            try:
+                await future
+            finally:
+                with self._cond:
+                    if (loop, future) in self._waiters:
+                        self._waiters.remove((loop, future))
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._events)
+
+    def close(self) -> None:
+        """Stop receiving events; pending and later next()/get() calls raise NotConnected."""
+        self._registry._unsubscribe(self)
+        with self._cond:
+            self._closed = True
+            self._events.clear()
+            self._wake_locked()
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+@dataclass
+class _Lease:
+    lease_id: int
+    engine: str
+    node_id: str
+    epoch: int
+    ttl_ms: int
+    deadline: float
+    segments: tuple[SegmentInfo, ...]          # in base order
+    table: AddressTable[SegmentInfo]
+
+
+class Registry:
+    """Thread-safe global address table: engine -> leased, published segment table."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 max_ttl_ms: int = DEFAULT_MAX_TTL_MS,
+                 watch_queue_limit: int = DEFAULT_WATCH_QUEUE_LIMIT) -> None:
+        if max_ttl_ms <= 0:
+            raise ParamInvalid(f"max_ttl_ms must be positive, got {max_ttl_ms}")
+        if watch_queue_limit <= 0:
+            raise ParamInvalid(f"watch_queue_limit must be positive, got {watch_queue_limit}")
+        self._clock = clock
+        self.max_ttl_ms = max_ttl_ms
+        self._watch_queue_limit = watch_queue_limit
+        self._lock = threading.Lock()
+        self._lease_ids = itertools.count(1)
+        self._leases: dict[int, _Lease] = {}
+        self._by_engine: dict[str, _Lease] = {}
+        self._subscribers: set[Subscription] = set()
+        # A lower bound on every lease deadline (deadlines only move later), so lookups
+        # skip the O(engines) expiry scan until something can actually have expired.
+        self._earliest_deadline = float("inf")
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def publish(self, engine: str, node_id: str, epoch: int,
+                segments: Sequence[SegmentInfo], ttl_ms: int) -> int:
+        """Replace `engine`'s whole table under a lease; returns the lease id.
+
+        The same epoch keeps the lease (the agent's table changed); a newer epoch is a
+        restart and gets a new lease, revoking the old one; an older epoch is refused.
+        """
+        self._check_publish_args(engine, epoch, ttl_ms)
+        ordered, table = self._build_table(engine, epoch, segments)
+        with self._lock:
+            now = self._clock()
+            self._sweep_locked(now)
+            held = self._by_engine.get(engine)
+            if held is not None and epoch < held.epoch:
+                raise StaleEpoch(
+                    f"publish {engine!r}: epoch {epoch} is older than the epoch {held.epoch} "
+                    "already published for that engine (a newer agent replaced this one)")
+            deadline = now + ttl_ms / 1000
+            self._earliest_deadline = min(self._earliest_deadline, deadline)
+            if held is not None and held.epoch == epoch:
+                lease = held
+                old_segments = lease.segments
+                lease.node_id, lease.ttl_ms, lease.deadline = node_id, ttl_ms, deadline
+                lease.segments, lease.table = ordered, table
+            else:
+                old_segments = held.segments if held is not None else ()
+                if held is not None:
+                    del self._leases[held.lease_id]
+                lease = _Lease(next(self._lease_ids), engine, node_id, epoch, ttl_ms,
+                               deadline, ordered, table)
+                self._leases[lease.lease_id] = lease
+                self._by_engine[engine] = lease
+            self._emit_diff_locked(old_segments, held.epoch if held else epoch, ordered, epoch)
+            return lease.lease_id
+
+    def keepalive(self, lease_id: int) -> int:
+        """Extend a live lease by its ttl; returns the ttl in ms."""
+        with self._lock:
+            now = self._clock()
+            self._sweep_locked(now)
+            lease = self._live_lease_locked(lease_id)
+            lease.deadline = now + lease.ttl_ms / 1000
+            return lease.ttl_ms
+
+    def unpublish(self, lease_id: int) -> None:
+        """Withdraw a lease's segments now (a clean shutdown)."""
+        with self._lock:
+            self._sweep_locked(self._clock())
+            self._drop_locked(self._live_lease_locked(lease_id))
+
+    def expire(self) -> list[str]:
+        """Drop every lease whose deadline has passed; returns the engines dropped."""
+        with self._lock:
+            return self._sweep_locked(self._clock())
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def query(self, engine: str = "") -> list[SegmentInfo]:
+        """Published segments of one engine ("" = all engines), in (engine, base) order."""
+        with self._lock:
+            self._sweep_locked(self._clock())
+            if engine:
+                lease = self._by_engine.get(engine)
+                return list(lease.segments) if lease is not None else []
+            return self._all_segments_locked()
+
+    def find(self, engine: str, addr: int, length: int) -> SegmentInfo:
+        """The segment of `engine` that wholly holds [addr, addr+length), O(log n)."""
+        with self._lock:
+            self._sweep_locked(self._clock())
+            lease = self._by_engine.get(engine)
+            if lease is None:
+                raise NotConnected(f"engine {engine!r} has no published segments in the registry")
+            _, segment = lease.table.find(addr, length, f"engine {engine!r} address")
+            return segment
+
+    def engines(self) -> dict[str, int]:
+        """Engine name -> epoch of every live lease (for operators and tests)."""
+        with self._lock:
+            self._sweep_locked(self._clock())
+            return {name: lease.epoch for name, lease in self._by_engine.items()}
+
+    # -- watchers -------------------------------------------------------------------------
+
+    def subscribe(self) -> Subscription:
+        """A new watcher whose first event is a SNAPSHOT of the whole table.
+
+        The snapshot is queued under the same lock as every change, so no change is
+        missed or seen twice between the snapshot and the first ADDED/REMOVED.
+        """
+        subscription = Subscription(self, self._watch_queue_limit)
+        with self._lock:
+            self._sweep_locked(self._clock())
+            subscription._push(RegistryEvent(EventKind.SNAPSHOT, 0,
+                                              tuple(self._all_segments_locked())))
+            self._subscribers.add(subscription)
+        return subscription
+
+    def _unsubscribe(self, subscription: Subscription) -> None:
+        with self._lock:
+            self._subscribers.discard(subscription)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_publish_args(self, engine: object, epoch: object, ttl_ms: object) -> None:
+        if not isinstance(engine, str) or not engine:
+            raise ParamInvalid(f"publish: engine name must be a non-empty string, got {engine!r}")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH:
+            raise ParamInvalid(f"publish {engine!r}: epoch must be an integer in "
+                               f"[0, {MAX_EPOCH}], got {epoch!r}")
+        if (not isinstance(ttl_ms, int) or isinstance(ttl_ms, bool)
+                or not 0 < ttl_ms <= self.max_ttl_ms):
+            raise ParamInvalid(f"publish {engine!r}: ttl_ms must be in (0, {self.max_ttl_ms}], "
+                               f"got {ttl_ms!r}")
+
+    @staticmethod
+    def _build_table(engine: str, epoch: int, segments: Iterable[SegmentInfo],
+                     ) -> tuple[tuple[SegmentInfo, ...], AddressTable[SegmentInfo]]:
+        """Validate a published table and index it; done outside the lock (it is O(n log n))."""
+        checked: list[SegmentInfo] = []
+        seen_ids: set[int] = set()
+        for segment in segments:
+            if not isinstance(segment, SegmentInfo):
+                raise ParamInvalid(f"publish {engine!r}: expected SegmentInfo, got "
+                                   f"{type(segment).__name__}")
+            if segment.engine != engine:
+                raise ParamInvalid(f"publish {engine!r}: segment {segment.segment_id} belongs "
+                                   f"to engine {segment.engine!r}, not the publisher")
+            if segment.epoch != epoch:
+                raise ParamInvalid(f"publish {engine!r}: segment {segment.segment_id} has epoch "
+                                   f"{segment.epoch}, the publisher's epoch is {epoch}")
+            check_range(segment.base, segment.length,
+                        f"publish {engine!r}: segment {segment.segment_id}")
+            if segment.segment_id in seen_ids:
+                raise ParamInvalid(f"publish {engine!r}: segment id {segment.segment_id} "
+                                   "appears twice")
+            seen_ids.add(segment.segment_id)
+            checked.append(segment)
+        # Inserting in base order appends at the end of the table's lists: O(1) each.
+        checked.sort(key=lambda s: s.base)
+        table: AddressTable[SegmentInfo] = AddressTable()
+        for segment in checked:
+            try:
+                table.insert(segment.base, segment.length, segment)
+            except ParamInvalid as exc:
+                raise ParamInvalid(f"publish {engine!r}: segment {segment.segment_id}: "
+                                   f"{exc.args[0]}") from None
+        return tuple(checked), table
+
+    def _live_lease_locked(self, lease_id: int) -> _Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotConnected(f"lease {lease_id} expired or unknown; publish again")
+        return lease
+
+    def _sweep_locked(self, now: float) -> list[str]:
+        if now < self._earliest_deadline:
+            return []
+        expired = [lease for lease in self._leases.values() if lease.deadline <= now]
+        self._earliest_deadline = min(
+            (lease.deadline for lease in self._leases.values() if lease.deadline > now),
+            default=float("inf"))
+        for lease in expired:
+            log.info("lease %d of engine %r (epoch %d) expired", lease.lease_id,
+                     lease.engine, lease.epoch)
+            self._drop_locked(lease)
+        return [lease.engine for lease in expired]
+
+    def _drop_locked(self, lease: _Lease) -> None:
+        del self._leases[lease.lease_id]
+        del self._by_engine[lease.engine]
+        self._emit_locked(EventKind.REMOVED, lease.epoch, lease.segments)
+
+    def _all_segments_locked(self) -> list[SegmentInfo]:
+        return [segment for name in sorted(self._by_engine)
+                for segment in self._by_engine[name].segments]
+
+    def _emit_diff_locked(self, old: tuple[SegmentInfo, ...], old_epoch: int,
+                          new: tuple[SegmentInfo, ...], new_epoch: int) -> None:
+        """REMOVED before ADDED, so a watcher's own address table never sees an overlap."""
+        old_set, new_set = set(old), set(new)
+        self._emit_locked(EventKind.REMOVED, old_epoch,
+                          tuple(s for s in old if s not in new_set))
+        self._emit_locked(EventKind.ADDED, new_epoch,
+                          tuple(s for s in new if s not in old_set))
+
+    def _emit_locked(self, kind: EventKind, epoch: int,
+                     segments: tuple[SegmentInfo, ...]) -> None:
+        if not segments:
+            return
+        event = RegistryEvent(kind, epoch, segments)
+        for subscription in list(self._subscribers):
+            if not subscription._push(event):
+                self._subscribers.discard(subscription)
+                log.warning("dropped a registry watcher that fell behind")
+
+
+# ---------------------------------------------------------------------------- gRPC service
+
+
+def event_to_pb(event: RegistryEvent) -> agent_pb2.SegmentEvent:
+    return agent_pb2.SegmentEvent(kind=int(event.kind), epoch=event.epoch,
+                                  segments=[segment_to_pb(s) for s in event.segments])
+
+
+class RegistryServicer(agent_pb2_grpc.RegistryServicer):
+    """Thin gRPC skin over a Registry: convert, call, map errors."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    async def Publish(self, request: agent_pb2.PublishRequest,
+                      context: grpc.aio.ServicerContext) -> agent_pb2.PublishReply:
+        try:
+            segments = [segment_from_pb(pb) for pb in request.segments]
+            lease_id = self._registry.publish(request.engine, request.node_id, request.epoch,
+                                              segments, request.ttl_ms)
+        except HixlError as exc:
+            await abort_with(context, exc)
+            raise
+        return agent_pb2.PublishReply(lease_id=lease_id, ttl_ms=request.ttl_ms)
+
+    async def KeepAlive(self, request: agent_pb2.KeepAliveRequest,
+                        context: grpc.aio.ServicerContext) -> agent_pb2.KeepAliveReply:
+        try:
+            ttl_ms = self._registry.keepalive(request.lease_id)
+        except HixlError as exc:
+            await abort_with(context, exc)
+            raise
+        return agent_pb2.KeepAliveReply(ttl_ms=ttl_ms)
+
+    async def Unpublish(self, request: agent_pb2.UnpublishRequest,
+                        context: grpc.aio.ServicerContext) -> agent_pb2.UnpublishReply:
+        try:
+            self._registry.unpublish(request.lease_id)
+        except HixlError as exc:
+            await abort_with(context, exc)
+            raise
+        return agent_pb2.UnpublishReply()
+
+    async def QuerySegments(self, request: agent_pb2.QuerySegmentsRequest,
+                            context: grpc.aio.ServicerContext,
+                            ) -> agent_pb2.QuerySegmentsReply:
+        segments = self._registry.query(request.engine)
+        return agent_pb2.QuerySegmentsReply(segments=[segment_to_pb(s) for s in segments])
+
+    async def Watch(self, request: agent_pb2.WatchRegistryRequest,
+                    context: grpc.aio.ServicerContext,
+                    ) -> AsyncIterator[agent_pb2.SegmentEvent]:
+        """SNAPSHOT first, then every change, until the client goes away or falls behind."""
+        subscription = self._registry.subscribe()
+        try:
+            while True:
+                try:
+                    event = await subscription.next()
+                except HixlError as exc:
+                    await abort_with(context, exc)
+                    raise
+                yield event_to_pb(event)
+        finally:
+            subscription.close()
+
+
+async def expire_forever(registry: Registry, interval_s: float = EXPIRE_EVERY_S) -> None:
+    """Drop expired leases every `interval_s` so watchers hear about dead agents promptly."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            registry.expire()
+        except Exception:  # a bug here must not stop expiry for good
+            log.exception("registry expiry pass failed")
+
+
+def start_expiry(registry: Registry, interval_s: float = EXPIRE_EVERY_S) -> asyncio.Task[None]:
+    """Start the expiry task on the running loop; cancel the task to stop it."""
+    return asyncio.get_running_loop().create_task(expire_forever(registry, interval_s),
+                                                  name="hixl-registry-expiry")
+
+
+_EXPIRY_TASKS: set[asyncio.Task[None]] = set()
+
+
+def add_registry_service(server: grpc.aio.Server, registry: Registry, *,
+                         expire_every_s: float | None = EXPIRE_EVERY_S) -> None:
+    """Serve `registry` on `server`, and (unless expire_every_s is None) start its expiry task.
+
+    Must be called on the loop that runs the server; the expiry task lives as long as
+    that loop (asyncio.run cancels it at exit). Callers wanting to stop it themselves
+    pass expire_every_s=None and use start_expiry().
+    """
+    agent_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), server)
+    if expire_every_s is None:
+        return
+    try:
+        task = start_expiry(registry, expire_every_s)
+    except RuntimeError:
+        raise RuntimeError(
+            "add_registry_service must run inside the event loop that serves the server "
+            "(it starts the lease-expiry task); pass expire_every_s=None to skip it") from None
+    _EXPIRY_TASKS.add(task)
+    task.add_done_callback(_EXPIRY_TASKS.discard)
+
+
+def run_master(argv: list[str] | None = None) -> int:
+    """The hixl-master process entry (lives in hixl.server.master; re-exported here)."""
+    from hixl.server.master import run_master as master_entry
+
+    return master_entry(argv)
+
+
+__all__ = [
+    "EventKind", "Registry", "RegistryEvent", "RegistryServicer", "Subscription",
+    "SERVER_KEEPALIVE_OPTIONS", "add_registry_service", "event_to_pb", "expire_forever",
+    "start_expiry", "run_master",
+]

@@ -1,0 +1,401 @@
+"""AgentServer: everything one agent runs, brought up and torn down together.
+
+    gRPC (Agent service, and the embedded Registry when no master is configured)
+    data server (TCP on host:data_port, unix socket in runtime_dir)
+    fd socket (SCM_RIGHTS fds for same-node peers)
+    registry publisher (keeps this agent's segments published under a lease)
+    pool segments from the config
+
+Two shapes: `start()` runs the event loop (uvloop) in a daemon thread and returns once
+everything serves — for an agent embedded in an engine, and for tests; `serve_forever()`
+runs it in the calling (main) thread with SIGTERM/SIGINT handlers — the hixl-agent daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import uvloop
+
+from hixl.control import error_from_rpc, segment_to_pb
+from hixl.errors import HixlError, ParamInvalid
+from hixl.server.agent import Agent
+from hixl.server.config import AgentConfig
+from hixl.server.fd_server import FdServer, TicketBook, prepare_socket_path
+from hixl.server.grpc_service import AgentServicer, Endpoints
+from hixl.types import SegmentInfo
+from hixl.v1 import agent_pb2, agent_pb2_grpc
+
+log = logging.getLogger("hixl.runtime")
+
+START_TIMEOUT_S = 60.0  # pool segments are pre-faulted at start: large pools take a while
+
+#: let clients ping idle watch streams (a dead agent is noticed) without being penalised
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
+]
+
+
+class Publisher:
+    """Keeps this agent's table published in a registry under a lease, in its own thread.
+
+    Works with the in-process `Registry` and with `RegistryClient` alike (same methods).
+    Re-publishes on every change, renews the lease every ttl/3, re-publishes when the
+    lease was lost (registry restarted, lease expired); failures are logged and retried,
+    never raised: an unreachable master must not take the agent down.
+    """
+
+    def __init__(self, agent: Agent, registry: Any, ttl_ms: int, where: str) -> None:
+        self._agent = agent
+        self.registry = registry
+        self._ttl_ms = ttl_ms
+        self._where = where
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._dirty = True
+        self._lease: int | None = None
+        self._failures = 0
+        self._thread = threading.Thread(target=self._run, name="hixl-publisher", daemon=True)
+        self.published = threading.Event()  # set after the first successful publish
+        self.counters = {"registry_publishes": 0, "registry_keepalives": 0,
+                         "registry_failures": 0}
+
+    def start(self) -> None:
+        self._agent.subscribe(self._on_change)
+        self._thread.start()
+
+    def _on_change(self, kind: str, segments: list[SegmentInfo]) -> None:
+        self._dirty = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        interval = max(self._ttl_ms / 3000.0, 0.05)
+        while not self._stop.is_set():
+            try:
+                self._step()
+                self._failures = 0
+                wait = interval
+            except Exception as exc:  # noqa: BLE001 - log, back off, retry
+                self._failures += 1
+                self.counters["registry_failures"] += 1
+                level = logging.WARNING if self._failures in (1, 10) or (
+                    self._failures % 100 == 0) else logging.DEBUG
+                log.log(level, "registry %s: %s (attempt %d; retrying)", self._where, exc,
+                        self._failures)
+                wait = min(interval, 0.2 * 2 ** min(self._failures, 5))
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def _step(self) -> None:
+        if self._lease is not None and not self._dirty:
+            try:
+                self.registry.keepalive(self._lease)
+                self.counters["registry_keepalives"] += 1
+                return
+            except HixlError as exc:
+                log.info("registry %s: lease %d lost (%s); publishing again",
+                         self._where, self._lease, exc)
+                self._lease = None
+        self._dirty = False
+        try:
+            self._lease = self.registry.publish(
+                self._agent.engine_name, self._agent.node_id, self._agent.epoch,
+                self._agent.segments(), self._ttl_ms)
+        except BaseException:
+            self._dirty = True
+            raise
+        self.counters["registry_publishes"] += 1
+        self.published.set()
+
+    def stop(self, unpublish: bool = True) -> None:
+        self._agent.unsubscribe(self._on_change)
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(10.0)
+        if unpublish and self._lease is not None:
+            try:
+                self.registry.unpublish(self._lease)
+            except Exception as exc:  # noqa: BLE001 - the lease expires by itself anyway
+                log.info("registry %s: unpublish failed: %s", self._where, exc)
+            self._lease = None
+
+
+class MasterLink:
+    """The three Registry calls an agent makes to hixl-master, each with a deadline.
+
+    (hixl.client.registry_client.RegistryClient does the same for clients; the server
+    package may not import hixl.client, and an agent needs only these three calls.)
+    """
+
+    def __init__(self, target: str, timeout: float = 5.0) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target)
+        self._stub = agent_pb2_grpc.RegistryStub(self._channel)
+
+    def _call(self, method: str, request: Any, what: str) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, f"{what} at registry {self.target}") from None
+
+    def publish(self, engine: str, node_id: str, epoch: int, segments: list[SegmentInfo],
+                ttl_ms: int) -> int:
+        return self._call("Publish", agent_pb2.PublishRequest(
+            engine=engine, node_id=node_id, epoch=epoch, ttl_ms=ttl_ms,
+            segments=[segment_to_pb(s) for s in segments]), f"publish {engine}").lease_id
+
+    def keepalive(self, lease_id: int) -> int:
+        return self._call("KeepAlive", agent_pb2.KeepAliveRequest(lease_id=lease_id),
+                          f"keepalive of lease {lease_id}").ttl_ms
+
+    def unpublish(self, lease_id: int) -> None:
+        self._call("Unpublish", agent_pb2.UnpublishRequest(lease_id=lease_id),
+                   f"unpublish of lease {lease_id}")
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _data_server_class() -> Any:
+    from hixl.server.data_server import DataServer  # written alongside; imported late
+
+    return DataServer
+
+
+class AgentServer:
+    """One agent: gRPC + data server + fd socket + registry publishing + pool."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.engine_name = ""
+        self.agent: Agent | None = None
+        self.endpoints: Endpoints | None = None
+        self.registry: Any = None           # the embedded Registry (no master configured)
+        self.publisher: Publisher | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._servicer: AgentServicer | None = None
+        self._data: Any = None
+        self._fd: FdServer | None = None
+        self._tickets = TicketBook()
+        self._stop_event = asyncio.Event()  # not bound to a loop until first awaited
+        self._stop_requested = False
+        self._ready = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._sockets: list[str] = []
+        self._grace = 1.0
+
+    # ------------------------------------------------------------ public shapes
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> AgentServer:
+        """Serve from a background daemon thread; returns once everything accepts calls."""
+        if self._thread is not None:
+            raise ParamInvalid("this AgentServer was already started")
+        self._thread = threading.Thread(target=self._run_loop, name="hixl-agent-loop",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise HixlError(f"agent did not come up within {timeout:.0f} s")
+        if self._error is not None:
+            self._thread.join(5.0)
+            raise self._error
+        return self
+
+    def serve_forever(self, on_ready: Callable[[AgentServer], None] | None = None) -> None:
+        """Serve in this (main) thread until SIGTERM/SIGINT or stop(); then shut down cleanly."""
+        def ready() -> None:
+            assert self._loop is not None
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._stop_event.set)
+            if on_ready is not None:
+                on_ready(self)
+
+        self._run_loop(ready)
+        if self._error is not None:
+            raise self._error
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop accepting, close everything, remove the socket files; idempotent."""
+        self._grace = grace
+        self._stop_requested = True  # seen by _main even before the loop exists
+        loop = self._loop
+        if loop is not None and not self._done.is_set():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._stop_event.set)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(grace + 15.0)
+
+    def __enter__(self) -> AgentServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ loop
+
+    def _run_loop(self, on_ready: Callable[[], None] | None = None) -> None:
+        loop = uvloop.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._main(on_ready))
+        except BaseException as exc:  # noqa: BLE001 - reported to start()/serve_forever()
+            if self._error is None:
+                self._error = exc
+        finally:
+            with contextlib.suppress(Exception):
+                _cancel_all(loop)
+            loop.close()
+            asyncio.set_event_loop(None)
+            self._done.set()
+            self._ready.set()
+
+    async def _main(self, on_ready: Callable[[], None] | None) -> None:
+        try:
+            await self._astart()
+        except BaseException as exc:
+            # OS refusals (runtime_dir not writable, socket path taken...) become typed
+            self._error = HixlError(f"cannot start agent: {exc}") if isinstance(
+                exc, OSError) else exc
+            await self._astop(0)
+            return
+        self._ready.set()
+        if on_ready is not None:
+            on_ready()
+        if self._stop_requested:
+            self._stop_event.set()
+        await self._stop_event.wait()
+        await self._astop(self._grace)
+
+    async def _astart(self) -> None:
+        cfg = self.config
+        os.makedirs(cfg.runtime_dir, mode=0o755, exist_ok=True)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        self._grpc = server
+        address = f"{cfg.host}:{cfg.grpc_port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise HixlError(f"cannot serve gRPC on {address}: {exc} (port in use?)") from None
+        if not port:
+            raise HixlError(f"cannot serve gRPC on {address} (port in use?)")
+        self.engine_name = f"{cfg.host}:{port}"
+        agent = Agent(self.engine_name, cfg.node_id, pool_max_bytes=cfg.pool_max_bytes)
+        self.agent = agent
+
+        for entry in cfg.pool:
+            agent.allocate(entry.size, entry.perms, entry.name, owner="pool", budgeted=False)
+
+        base = os.path.join(cfg.runtime_dir, f"agent-{port}")
+        unix_data = f"{base}.data.sock" if cfg.data_unix else None
+        if unix_data:
+            prepare_socket_path(unix_data)
+        data_server_cls = _data_server_class()
+        self._data = data_server_cls(agent.resolve, agent.epoch, tcp_host=cfg.host,
+                                     tcp_port=cfg.data_port, unix_path=unix_data)
+        self._data.start()
+        if unix_data:
+            self._sockets.append(unix_data)
+            with contextlib.suppress(OSError):
+                os.chmod(unix_data, cfg.socket_mode)
+
+        fd_path = f"{base}.fd.sock"
+        self._fd = FdServer(fd_path, agent, self._tickets, mode=cfg.socket_mode,
+                            allowed_uids=cfg.allowed_uids)
+        self._fd.start()
+        self._sockets.append(fd_path)
+
+        self.endpoints = Endpoints(self.engine_name, self._data.tcp_address,
+                                   self._data.unix_path or "", fd_path)
+        self._servicer = AgentServicer(agent, self.endpoints, self._tickets,
+                                       self._collect_counters)
+        agent_pb2_grpc.add_AgentServicer_to_server(self._servicer, server)
+        registry_target = self._wire_registry(server)
+        await server.start()
+        if registry_target is not None:
+            self.publisher = Publisher(agent, registry_target[0], cfg.lease_ttl_ms,
+                                       registry_target[1])
+            self.publisher.start()
+        log.info("agent %s serving: data=%s unix=%s fd=%s epoch=%d node=%s registry=%s",
+                 self.engine_name, self.endpoints.data_tcp, self.endpoints.data_unix or "-",
+                 fd_path, agent.epoch, agent.node_id, cfg.master or "embedded")
+
+    def _wire_registry(self, server: grpc.aio.Server) -> tuple[Any, str] | None:
+        """(registry-like object, description) to publish to, or None without a registry."""
+        cfg = self.config
+        if cfg.master:
+            return MasterLink(cfg.master), f"master {cfg.master}"
+        try:
+            from hixl.server.registry import Registry, add_registry_service
+        except ImportError as exc:
+            log.warning("embedded registry unavailable (%s); segments are not published", exc)
+            return None
+        self.registry = Registry()
+        add_registry_service(server, self.registry)
+        return self.registry, "embedded"
+
+    def _collect_counters(self) -> dict[str, int]:
+        counters: dict[str, int] = {}
+        if self._data is not None:
+            counters.update({f"data_{k}" if not k.startswith("data_") else k: v
+                             for k, v in dict(self._data.counters).items()})
+        if self._fd is not None:
+            counters.update(self._fd.counters)
+        if self.publisher is not None:
+            counters.update(self.publisher.counters)
+        return counters
+
+    async def _astop(self, grace: float) -> None:
+        log.info("agent %s shutting down", self.engine_name or "(not started)")
+        if self.publisher is not None:
+            publisher, self.publisher = self.publisher, None
+            await asyncio.to_thread(publisher.stop)
+            close = getattr(publisher.registry, "close", None)
+            if callable(close) and publisher.registry is not self.registry:
+                with contextlib.suppress(Exception):
+                    close()
+        if self._servicer is not None:
+            self._servicer.stop_watches()
+        if self._grpc is not None:
+            with contextlib.suppress(Exception):
+                await self._grpc.stop(grace)
+            self._grpc = None
+        if self._fd is not None:
+            self._fd.stop()
+            self._fd = None
+        if self._data is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._data.stop)
+            self._data = None
+        self._tickets.close()
+        if self.agent is not None:
+            self.agent.close()
+        for path in self._sockets:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._sockets.clear()
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())

@@ -1,0 +1,133 @@
+"""Shared fixtures: real hixl-agent processes on free ports with private runtime dirs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+import yaml
+
+from hixl.client.agent_client import AgentClient, AgentInfo
+
+READY_PREFIX = "hixl-agent serving "
+START_TIMEOUT_S = 30.0
+
+
+class AgentProcess(tuple):
+    """(proc, engine_name, info) — plus .runtime_dir, .log_path, .config_path, .ready_line."""
+
+    proc: subprocess.Popen[str]
+    engine: str
+    info: AgentInfo
+    runtime_dir: str
+    log_path: str
+    config_path: str
+    ready_line: str
+
+    def __new__(cls, proc: subprocess.Popen[str], engine: str, info: AgentInfo,
+                **extra: str) -> AgentProcess:
+        self = super().__new__(cls, (proc, engine, info))
+        self.proc, self.engine, self.info = proc, engine, info
+        for key, value in extra.items():
+            setattr(self, key, value)
+        return self
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+
+def agent_command(config_path: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "hixl.server.main", "--config", config_path, *args]
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test's environment without HIXL_AGENT_* (so the host's settings never leak in)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_AGENT_")}
+    env.update(extra or {})
+    return env
+
+
+def wait_ready(proc: subprocess.Popen[str], log_path: str, timeout: float) -> str:
+    """The ready line from the agent's stdout; fails the test (with its log) otherwise."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                line = proc.stdout.readline()
+                if line.startswith(READY_PREFIX):
+                    return line.strip()
+                if not line:  # exited before becoming ready
+                    break
+    proc.kill()
+    proc.wait(10)
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    pytest.fail(f"hixl-agent did not become ready (rc={proc.returncode}); its log:\n{log}")
+
+
+def parse_ready(line: str) -> dict[str, str]:
+    fields = line[len(READY_PREFIX):].split()
+    return dict(field.split("=", 1) for field in fields)
+
+
+@pytest.fixture
+def agent_process() -> Iterator[Callable[..., AgentProcess]]:
+    """Factory: start a hixl-agent subprocess, wait until it serves, handshake with it.
+
+        proc, engine, info = agent_process(config={"pool": [{"size": "1MiB"}]})
+
+    `config` entries go into its YAML file (grpc_port/data_port 0 and a private, short
+    runtime_dir by default); `args` are extra command-line flags; `env` extra environment.
+    Every agent started is killed (if still running) and its runtime dir removed at teardown.
+    """
+    started: list[tuple[subprocess.Popen[str], str, Any]] = []
+
+    def start(config: Mapping[str, Any] | None = None, args: tuple[str, ...] | list[str] = (),
+              env: Mapping[str, str] | None = None,
+              timeout: float = START_TIMEOUT_S) -> AgentProcess:
+        # short path: unix socket paths are limited to 107 bytes
+        workdir = tempfile.mkdtemp(prefix="hxa-")
+        runtime_dir = os.path.join(workdir, "run")
+        settings: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "data_port": 0,
+                                    "runtime_dir": runtime_dir, "log_level": "INFO"}
+        settings.update(config or {})
+        config_path = os.path.join(workdir, "agent.yaml")
+        with open(config_path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(settings, f)
+        log_path = os.path.join(workdir, "agent.log")
+        log_file = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - outlives this call
+        proc = subprocess.Popen(agent_command(config_path, *args), stdout=subprocess.PIPE,
+                                stderr=log_file, text=True, env=clean_env(env))
+        log_file.close()
+        started.append((proc, workdir, None))
+        line = wait_ready(proc, log_path, timeout)
+        engine = parse_ready(line)["engine"]
+        with AgentClient(engine, timeout=10.0) as client:
+            info = client.handshake("pytest")
+        return AgentProcess(proc, engine, info, runtime_dir=settings["runtime_dir"],
+                            log_path=log_path, config_path=config_path, ready_line=line)
+
+    yield start
+
+    for proc, workdir, _ in started:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        shutil.rmtree(workdir, ignore_errors=True)
