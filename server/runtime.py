@@ -25,14 +25,14 @@ from typing import Any
 import grpc
 import uvloop
 
-from hixl.control import error_from_rpc, segment_to_pb
 from hixl.errors import HixlError, ParamInvalid
+from hixl.registry_client import RegistryClient
 from hixl.server.agent import Agent
 from hixl.server.config import AgentConfig
 from hixl.server.fd_server import FdServer, TicketBook, prepare_socket_path
 from hixl.server.grpc_service import AgentServicer, Endpoints
 from hixl.types import SegmentInfo
-from hixl.v1 import agent_pb2, agent_pb2_grpc
+from hixl.v1 import agent_pb2_grpc
 
 log = logging.getLogger("hixl.runtime")
 
@@ -130,43 +130,6 @@ class Publisher:
             except Exception as exc:  # noqa: BLE001 - the lease expires by itself anyway
                 log.info("registry %s: unpublish failed: %s", self._where, exc)
             self._lease = None
-
-
-class MasterLink:
-    """The three Registry calls an agent makes to hixl-master, each with a deadline.
-
-    (hixl.client.registry_client.RegistryClient does the same for clients; the server
-    package may not import hixl.client, and an agent needs only these three calls.)
-    """
-
-    def __init__(self, target: str, timeout: float = 5.0) -> None:
-        self.target = target
-        self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
-        self._stub = agent_pb2_grpc.RegistryStub(self._channel)
-
-    def _call(self, method: str, request: Any, what: str) -> Any:
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"{what} at registry {self.target}") from None
-
-    def publish(self, engine: str, node_id: str, epoch: int, segments: list[SegmentInfo],
-                ttl_ms: int) -> int:
-        return self._call("Publish", agent_pb2.PublishRequest(
-            engine=engine, node_id=node_id, epoch=epoch, ttl_ms=ttl_ms,
-            segments=[segment_to_pb(s) for s in segments]), f"publish {engine}").lease_id
-
-    def keepalive(self, lease_id: int) -> int:
-        return self._call("KeepAlive", agent_pb2.KeepAliveRequest(lease_id=lease_id),
-                          f"keepalive of lease {lease_id}").ttl_ms
-
-    def unpublish(self, lease_id: int) -> None:
-        self._call("Unpublish", agent_pb2.UnpublishRequest(lease_id=lease_id),
-                   f"unpublish of lease {lease_id}")
-
-    def close(self) -> None:
-        self._channel.close()
 
 
 def _data_server_class() -> Any:
@@ -340,7 +303,7 @@ class AgentServer:
         """(registry-like object, description) to publish to, or None without a registry."""
         cfg = self.config
         if cfg.master:
-            return MasterLink(cfg.master), f"master {cfg.master}"
+            return RegistryClient(cfg.master), f"master {cfg.master}"
         try:
             from hixl.server.registry import Registry, add_registry_service
         except ImportError as exc:

@@ -21,7 +21,6 @@ from conftest import AgentProcess, agent_command, clean_env, parse_ready
 
 from hixl import wire
 from hixl.client.agent_client import AgentClient, FdClient
-from hixl.client.registry_client import RegistryClient
 from hixl.control import error_from_rpc
 from hixl.errors import (
     HixlError,
@@ -34,6 +33,7 @@ from hixl.errors import (
     TransferTimeout,
 )
 from hixl.memory import PAGE_SIZE, Mapping, ShmSegment
+from hixl.registry_client import RegistryClient
 from hixl.server.config import AgentConfig
 from hixl.server.runtime import AgentServer
 from hixl.types import MemType, Perm

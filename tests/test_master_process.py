@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from hixl.client.registry_client import RegistryClient
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
+from hixl.registry_client import RegistryClient
 from hixl.server.master import MasterConfig, StoreConfig, parse_config
 from hixl.types import MemType, Perm, SegmentInfo
 

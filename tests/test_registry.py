@@ -12,7 +12,6 @@ import threading
 import grpc
 import pytest
 
-from hixl.client.registry_client import RegistryClient
 from hixl.errors import (
     NotConnected,
     OutOfRange,
@@ -21,6 +20,7 @@ from hixl.errors import (
     StaleEpoch,
     TransferTimeout,
 )
+from hixl.registry_client import RegistryClient
 from hixl.server.registry import (
     SERVER_KEEPALIVE_OPTIONS,
     EventKind,

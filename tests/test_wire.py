@@ -1,0 +1,385 @@
+"""The sans-IO data-path codec: frames and both protocol state machines, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from hixl import errors, wire
+from hixl.types import Perm
+from hixl.wire import (
+    HEADER_SIZE,
+    MAX_PAYLOAD,
+    Close,
+    Discard,
+    Header,
+    Op,
+    ProtocolError,
+    ReadHello,
+    Reason,
+    ReceiveInto,
+    Send,
+    ServedSegment,
+    ServerProtocol,
+)
+
+BASE = 0x7F00_0000_0000
+SIZE = 64 << 10
+EPOCH = 7
+
+
+def make_segment(segment_id: int = 1, perms: Perm = Perm.RW, epoch: int = EPOCH,
+                 base: int = BASE, size: int = SIZE) -> ServedSegment:
+    return ServedSegment(segment_id, epoch, base, size, perms, memoryview(bytearray(size)))
+
+
+def make_server(*segments: ServedSegment, hello: bool = True) -> ServerProtocol:
+    table = {seg.segment_id: seg for seg in segments}
+    proto = ServerProtocol(table.get, epoch=3)
+    if hello:
+        action = proto.on_header(wire.hello(1, b"peer")[:HEADER_SIZE])
+        assert isinstance(action, ReadHello)
+        reply = proto.on_hello(action.request_id, b"peer")
+        assert wire.decode_header(reply.reply).epoch == 3
+    return proto
+
+
+def parse_reply(raw: bytes) -> tuple[Header, bytes]:
+    header = wire.decode_header(raw[:HEADER_SIZE])
+    assert header.opcode == Op.REPLY
+    text = raw[HEADER_SIZE:]
+    assert len(text) == wire.payload_length(header)
+    return header, text
+
+
+def assert_refused(reply: bytes, reason: Reason, *words: str) -> None:
+    header, text = parse_reply(reply)
+    assert header.reason == reason
+    assert header.flags & wire.FLAG_ERROR_TEXT
+    assert header.status != errors.SUCCESS
+    message = text.decode()
+    for word in words:
+        assert word in message, message
+
+
+# ---------------------------------------------------------------- frames
+
+def test_header_round_trip_keeps_every_field() -> None:
+    top = (1 << 64) - 1
+    original = Header(Op.WRITE, request_id=top, segment_id=top - 1, epoch=(1 << 32) - 1,
+                      addr=top - 2, length=top - 3, status=errors.FAILED, reason=Reason.INTERNAL,
+                      flags=0xFFFF)
+    raw = original.pack()
+    assert len(raw) == HEADER_SIZE == 48
+    assert wire.decode_header(raw) == original
+    assert wire.decode_header(memoryview(bytearray(raw))) == original
+
+
+@pytest.mark.parametrize("encoded, expected", [
+    (wire.write_header(5, 6, 7, 8, 9), Header(Op.WRITE, 5, 6, 7, 8, 9)),
+    (wire.read_request(5, 6, 7, 8, 9), Header(Op.READ, 5, 6, 7, 8, 9)),
+    (wire.ok_reply(4, 100), Header(Op.REPLY, 4, length=100)),
+    (wire.hello(2)[:HEADER_SIZE], Header(Op.HELLO, 2)),
+])
+def test_encoders_match_header_pack(encoded: bytes, expected: Header) -> None:
+    assert encoded == expected.pack()
+    assert wire.decode_header(encoded) == expected
+
+
+def test_hello_carries_identity_as_payload() -> None:
+    raw = wire.hello(9, b"engine-a")
+    header = wire.decode_header(raw[:HEADER_SIZE])
+    assert wire.payload_length(header) == len(b"engine-a")
+    assert raw[HEADER_SIZE:] == b"engine-a"
+
+
+def test_payload_length_only_for_frames_that_carry_data() -> None:
+    assert wire.payload_length(Header(Op.WRITE, length=10)) == 10
+    assert wire.payload_length(Header(Op.REPLY, length=10)) == 10
+    assert wire.payload_length(Header(Op.READ, length=10)) == 0  # the data comes back
+    assert wire.payload_length(Header(Op.PING, length=10)) == 0
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"\x00" * 47, "47 bytes"),
+    (b"\x00" * 49, "49 bytes"),
+    (b"\x12\x34" + Header(Op.WRITE).pack()[2:], "bad magic 0x1234"),
+    (Header(Op.WRITE).pack()[:2] + b"\x09" + Header(Op.WRITE).pack()[3:], "version 9"),
+    (Header(Op.WRITE).pack()[:3] + b"\x63" + Header(Op.WRITE).pack()[4:], "unknown opcode 99"),
+])
+def test_decode_header_refuses_malformed_frames(raw: bytes, words: str) -> None:
+    with pytest.raises(ProtocolError, match=words) as info:
+        wire.decode_header(raw)
+    assert info.value.reason == Reason.BAD_FRAME
+
+
+def test_error_reply_text_is_capped() -> None:
+    header, text = parse_reply(wire.error_reply(3, Reason.PERMISSION, "x" * 10_000))
+    assert len(text) == wire.MAX_ERROR_TEXT
+    assert header.request_id == 3 and header.status == errors.PARAM_INVALID
+
+
+@pytest.mark.parametrize("length, limit", [(1, 10), (10, 10), (11, 10), (95, 10), (MAX_PAYLOAD * 2 + 1,
+                                                                                     MAX_PAYLOAD)])
+def test_split_covers_the_op_exactly(length: int, limit: int) -> None:
+    parts = wire.split(BASE, length, limit)
+    assert all(0 < n <= limit for _, n in parts)
+    assert [off for off, _ in parts] == list(range(0, length, limit))
+    assert sum(n for _, n in parts) == length
+
+
+# ---------------------------------------------------------------- server: accepted frames
+
+def test_write_receives_into_exactly_the_addressed_bytes() -> None:
+    seg = make_segment()
+    proto = make_server(seg)
+    action = proto.on_header(wire.write_header(11, 1, EPOCH, BASE + 100, 5))
+    assert isinstance(action, ReceiveInto)
+    action.target[:] = b"hello"
+    assert bytes(seg.memory[100:105]) == b"hello"
+    assert bytes(seg.memory[:100]) == bytes(100) and bytes(seg.memory[105:]) == bytes(SIZE - 105)
+    header, text = parse_reply(action.reply)
+    assert (header.request_id, header.status, text) == (11, errors.SUCCESS, b"")
+
+
+def test_read_sends_the_addressed_bytes_after_an_ok_header() -> None:
+    seg = make_segment()
+    seg.memory[SIZE - 3:] = b"end"
+    proto = make_server(seg)
+    action = proto.on_header(wire.read_request(12, 1, EPOCH, BASE + SIZE - 3, 3))
+    assert isinstance(action, Send)
+    assert action.payload is not None and bytes(action.payload) == b"end"
+    header = wire.decode_header(action.reply)
+    assert (header.request_id, header.length, header.status) == (12, 3, errors.SUCCESS)
+
+
+def test_whole_segment_and_max_payload_are_allowed() -> None:
+    seg = make_segment()
+    proto = make_server(seg)
+    assert isinstance(proto.on_header(wire.write_header(1, 1, EPOCH, BASE, SIZE)), ReceiveInto)
+    big = ServedSegment(2, EPOCH, BASE, MAX_PAYLOAD, Perm.RW, memoryview(b""))
+    proto = make_server(big)
+    assert isinstance(proto.on_header(wire.read_request(1, 2, EPOCH, BASE, MAX_PAYLOAD)), Send)
+
+
+def test_ping_is_answered_after_hello() -> None:
+    proto = make_server()
+    action = proto.on_header(Header(Op.PING, 8).pack())
+    assert isinstance(action, Send)
+    assert wire.decode_header(action.reply) == Header(Op.REPLY, 8)
+
+
+def test_hello_records_identity() -> None:
+    proto = make_server(hello=False)
+    action = proto.on_header(wire.hello(1, b"x")[:HEADER_SIZE])
+    assert isinstance(action, ReadHello) and action.count == 1
+    proto.on_hello(1, b"prefill-0")
+    assert proto.authenticated and proto.peer_identity == "prefill-0"
+
+
+# ---------------------------------------------------------------- server: refusals
+
+@pytest.mark.parametrize("frame", [
+    wire.write_header(1, 1, EPOCH, BASE, 8),
+    wire.read_request(1, 1, EPOCH, BASE, 8),
+    Header(Op.PING, 1).pack(),
+    Header(Op.REPLY, 1).pack(),
+])
+def test_everything_but_hello_is_refused_before_the_handshake(frame: bytes) -> None:
+    seg = make_segment()
+    proto = make_server(seg, hello=False)
+    action = proto.on_header(frame)
+    assert isinstance(action, Close)
+    assert action.reply is not None
+    assert_refused(action.reply, Reason.NOT_AUTHENTICATED, "HELLO")
+    assert bytes(seg.memory) == bytes(SIZE)
+
+
+def test_oversized_hello_closes() -> None:
+    proto = make_server(hello=False)
+    action = proto.on_header(Header(Op.HELLO, 1, length=wire.MAX_HELLO + 1).pack())
+    assert isinstance(action, Close)
+    assert action.reply is not None
+    assert_refused(action.reply, Reason.BAD_LENGTH, str(wire.MAX_HELLO))
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"\xde\xad" + wire.write_header(1, 1, EPOCH, BASE, 8)[2:], "bad magic"),
+    (wire.write_header(1, 1, EPOCH, BASE, 8)[:2] + b"\x02" + wire.write_header(1, 1, EPOCH, BASE, 8)[3:],
+     "version 2"),
+    (wire.write_header(1, 1, EPOCH, BASE, 8)[:3] + b"\x00" + wire.write_header(1, 1, EPOCH, BASE, 8)[4:],
+     "unknown opcode 0"),
+    (b"\x00" * 20, "20 bytes"),
+])
+def test_malformed_header_closes_with_bad_frame(raw: bytes, words: str) -> None:
+    proto = make_server(make_segment())
+    action = proto.on_header(raw)
+    assert isinstance(action, Close)
+    assert action.reply is not None
+    assert_refused(action.reply, Reason.BAD_FRAME, words)
+
+
+def test_reply_from_client_closes() -> None:
+    proto = make_server(make_segment())
+    action = proto.on_header(Header(Op.REPLY, 4).pack())
+    assert isinstance(action, Close)
+    assert action.reply is not None
+    assert_refused(action.reply, Reason.BAD_FRAME, "REPLY")
+
+
+@pytest.mark.parametrize("op", [Op.WRITE, Op.READ])
+def test_zero_length_is_refused_and_stream_continues(op: Op) -> None:
+    proto = make_server(make_segment())
+    action = proto.on_header(Header(op, 5, 1, EPOCH, BASE, 0).pack())
+    assert isinstance(action, Send) and action.payload is None  # nothing to skip
+    assert_refused(action.reply, Reason.BAD_LENGTH, "length 0")
+
+
+def test_oversized_write_closes_the_stream() -> None:
+    """Its payload cannot be skipped safely, so the connection must end."""
+    proto = make_server(make_segment())
+    action = proto.on_header(wire.write_header(5, 1, EPOCH, BASE, MAX_PAYLOAD + 1))
+    assert isinstance(action, Close)
+    assert action.reply is not None
+    assert_refused(action.reply, Reason.BAD_LENGTH, str(MAX_PAYLOAD + 1))
+
+
+def test_oversized_read_is_refused_and_stream_continues() -> None:
+    proto = make_server(make_segment())
+    action = proto.on_header(wire.read_request(5, 1, EPOCH, BASE, MAX_PAYLOAD + 1))
+    assert isinstance(action, Send) and action.payload is None
+    assert_refused(action.reply, Reason.BAD_LENGTH)
+
+
+def refusal_cases() -> list[tuple[str, ServedSegment, Op, int, int, int, int, Reason, str]]:
+    rw, ro, wo = make_segment(1), make_segment(2, Perm.READ), make_segment(3, Perm.WRITE)
+    cases = []
+    for op in (Op.WRITE, Op.READ):
+        cases += [
+            ("unknown segment", rw, op, 99, EPOCH, BASE, 8, Reason.UNKNOWN_SEGMENT, "99"),
+            ("stale epoch", rw, op, 1, EPOCH - 1, BASE, 8, Reason.STALE_EPOCH, "stale"),
+            ("below base", rw, op, 1, EPOCH, BASE - 1, 8, Reason.OUT_OF_RANGE, "outside"),
+            ("end + 1 byte", rw, op, 1, EPOCH, BASE + SIZE - 7, 8, Reason.OUT_OF_RANGE, "outside"),
+            ("past the end", rw, op, 1, EPOCH, BASE + SIZE, 1, Reason.OUT_OF_RANGE, "outside"),
+            ("far away", rw, op, 1, EPOCH, 0x10, 8, Reason.OUT_OF_RANGE, "outside"),
+        ]
+    cases += [
+        ("write to read-only", ro, Op.WRITE, 2, EPOCH, BASE, 8, Reason.PERMISSION, "writes"),
+        ("read from write-only", wo, Op.READ, 3, EPOCH, BASE, 8, Reason.PERMISSION, "reads"),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("case", refusal_cases(), ids=lambda c: f"{c[2].name}-{c[0]}")
+def test_refusals_keep_the_stream_and_touch_no_memory(
+        case: tuple[str, ServedSegment, Op, int, int, int, int, Reason, str]) -> None:
+    _, segment, op, segment_id, epoch, addr, length, reason, words = case
+    segment.memory[:] = b"\xab" * SIZE
+    proto = make_server(segment)
+    action = proto.on_header(Header(op, 21, segment_id, epoch, addr, length).pack())
+    if op == Op.WRITE:
+        assert isinstance(action, Discard)  # the payload is skipped, the stream stays in step
+        assert action.count == length
+    else:
+        assert isinstance(action, Send) and action.payload is None
+    assert_refused(action.reply, reason, words)
+    assert wire.decode_header(action.reply[:HEADER_SIZE]).request_id == 21
+    assert bytes(segment.memory) == b"\xab" * SIZE
+    # the connection goes on: a good request on the same protocol object is served
+    good = Op.READ if segment.perms & Perm.READ else Op.WRITE
+    ok = proto.on_header(Header(good, 22, segment.segment_id, EPOCH, BASE, 4).pack())
+    assert isinstance(ok, Send | ReceiveInto)
+
+
+def test_segment_deregistered_between_frames_is_refused_not_crashed() -> None:
+    """The resolver is asked once per frame, so a segment vanishing mid-check is safe."""
+    seg = make_segment()
+    answers = iter([seg, None, seg, None, None])
+    proto = make_server()
+    proto._resolve = lambda _sid: next(answers)  # noqa: SLF001 - a table that changes
+    actions = [proto.on_header(wire.read_request(n, 1, EPOCH, BASE, 8)) for n in range(4)]
+    assert all(isinstance(action, Send) for action in actions)
+    # the second and fourth frames met a deregistered segment: refused, not served
+    assert [action.payload is not None for action in actions] == [True, False, True, False]
+    assert_refused(actions[1].reply, Reason.UNKNOWN_SEGMENT)
+    refused = proto.on_header(wire.write_header(9, 1, EPOCH, BASE, 8))
+    assert isinstance(refused, Discard)
+    assert_refused(refused.reply, Reason.UNKNOWN_SEGMENT)
+
+
+def test_reply_error_maps_reasons_to_exceptions() -> None:
+    def error_of(reason: Reason) -> errors.HixlError:
+        header, text = parse_reply(wire.error_reply(1, reason, f"because {reason.name}"))
+        exc = wire.reply_error(header, text)
+        assert f"because {reason.name}" in str(exc)
+        return exc
+
+    assert isinstance(error_of(Reason.STALE_EPOCH), errors.StaleEpoch)
+    assert isinstance(error_of(Reason.PERMISSION), errors.PermissionDenied)
+    assert isinstance(error_of(Reason.OUT_OF_RANGE), errors.OutOfRange)
+    assert type(error_of(Reason.UNKNOWN_SEGMENT)) is errors.ParamInvalid
+    assert type(error_of(Reason.BAD_LENGTH)) is errors.ParamInvalid
+    assert type(error_of(Reason.NOT_AUTHENTICATED)) is errors.TransferFailed
+    assert type(error_of(Reason.INTERNAL)) is errors.TransferFailed
+
+
+# ---------------------------------------------------------------- client protocol
+
+def test_client_matches_replies_in_order() -> None:
+    client = wire.ClientProtocol()
+    hello = wire.decode_header(client.hello(b"me")[:HEADER_SIZE])
+    write = wire.decode_header(client.write(1, EPOCH, BASE, 100))
+    read = wire.decode_header(client.read(1, EPOCH, BASE, 64))
+    ping = wire.decode_header(client.ping())
+    ids = [hello.request_id, write.request_id, read.request_id, ping.request_id]
+    assert len(set(ids)) == 4 and client.outstanding == 4
+    assert (write.opcode, write.segment_id, write.epoch, write.addr, write.length) == (
+        Op.WRITE, 1, EPOCH, BASE, 100)
+    client.on_reply_header(Header(Op.REPLY, ids[0], epoch=3).pack())
+    client.on_reply_header(wire.ok_reply(ids[1]))
+    got = client.on_reply_header(wire.ok_reply(ids[2], 64))
+    assert wire.payload_length(got) == 64
+    # an error reply for the oldest request may carry request id 0 (a connection-level error)
+    got = client.on_reply_header(wire.error_reply(0, Reason.INTERNAL, "boom")[:HEADER_SIZE])
+    assert got.flags & wire.FLAG_ERROR_TEXT and wire.payload_length(got) == 4
+    assert client.outstanding == 0
+
+
+def test_client_accepts_error_text_instead_of_read_data() -> None:
+    client = wire.ClientProtocol()
+    rid = wire.decode_header(client.read(1, EPOCH, BASE, 64)).request_id
+    reply = wire.error_reply(rid, Reason.OUT_OF_RANGE, "nope")
+    header = client.on_reply_header(reply[:HEADER_SIZE])
+    assert isinstance(wire.reply_error(header, reply[HEADER_SIZE:]), errors.OutOfRange)
+
+
+@pytest.mark.parametrize("reply, words", [
+    (lambda rid: wire.ok_reply(rid + 1), "expected"),  # wrong request id
+    (lambda rid: wire.ok_reply(rid, 63), "asked 64"),  # wrong read length
+    (lambda rid: wire.read_request(rid, 1, EPOCH, BASE, 64), "expected REPLY"),
+    (lambda rid: Header(Op.REPLY, rid, status=errors.FAILED).pack(), "without a message"),
+    (lambda rid: Header(Op.REPLY, rid, length=wire.MAX_ERROR_TEXT + 1,
+                        flags=wire.FLAG_ERROR_TEXT, status=errors.FAILED).pack(), "too long"),
+])
+def test_client_refuses_mismatched_read_replies(reply, words: str) -> None:  # noqa: ANN001
+    client = wire.ClientProtocol()
+    rid = wire.decode_header(client.read(1, EPOCH, BASE, 64)).request_id
+    with pytest.raises(ProtocolError, match=words):
+        client.on_reply_header(reply(rid))
+    assert client.outstanding == 1  # nothing consumed: the caller drops the connection
+
+
+def test_client_refuses_payload_on_a_write_reply() -> None:
+    client = wire.ClientProtocol()
+    rid = wire.decode_header(client.write(1, EPOCH, BASE, 64)).request_id
+    with pytest.raises(ProtocolError, match="unexpected payload"):
+        client.on_reply_header(wire.ok_reply(rid, 64))
+
+
+def test_client_refuses_unsolicited_replies() -> None:
+    client = wire.ClientProtocol()
+    with pytest.raises(ProtocolError, match="unsolicited"):
+        client.on_reply_header(wire.ok_reply(1))
+    rid = wire.decode_header(client.ping()).request_id
+    client.on_reply_header(wire.ok_reply(rid))
+    with pytest.raises(ProtocolError, match="unsolicited"):
+        client.on_reply_header(wire.ok_reply(rid))
