@@ -400,6 +400,7 @@ class _Connection:
 
     def _flush(self) -> None:
         """Send every gathered reply (headers and READ data, zero-copy) in few calls."""
+        self._publish()  # before the replies: a client that has them sees the counts
         buffers = self.replies
         start = 0
         while start < len(buffers):
@@ -410,4 +411,3 @@ class _Connection:
             start = consume(buffers, start, sent)
         buffers.clear()
         self.reply_bytes = 0
-        self._publish()

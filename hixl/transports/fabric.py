@@ -67,26 +67,22 @@ class FabricTransport(Transport):
     def transfer(self, op: TransferOp, items: Sequence[Item], deadline: float) -> None:
         if self._closed:
             raise NotConnected(f"fabric path to {self._peer} is closed")
+        writing = op == TransferOp.WRITE
+        segment: SegmentInfo | None = None
+        delta = 0
         done = 0
         try:
-            if op == TransferOp.WRITE:
-                for item in items:
-                    _memmove(item.remote_addr + self.mapping_delta(item.segment),
-                             item.local_addr, item.length)
-                    done += 1
-                    if done & 63 == 0 and time.monotonic() > deadline:
-                        raise TransferTimeout(
-                            f"fabric write to {self._peer} passed its deadline",
-                            failed=[it.index for it in items[done:]])
-            else:
-                for item in items:
-                    _memmove(item.local_addr, item.remote_addr + self.mapping_delta(item.segment),
-                             item.length)
-                    done += 1
-                    if done & 63 == 0 and time.monotonic() > deadline:
-                        raise TransferTimeout(
-                            f"fabric read from {self._peer} passed its deadline",
-                            failed=[it.index for it in items[done:]])
+            for item in items:
+                if item.segment is not segment:
+                    segment = item.segment
+                    delta = self.mapping_delta(segment)
+                if writing:
+                    _memmove(item.remote_addr + delta, item.local_addr, item.length)
+                else:
+                    _memmove(item.local_addr, item.remote_addr + delta, item.length)
+                done += 1
+                if done & 63 == 0 and time.monotonic() > deadline:
+                    raise TransferTimeout(f"fabric transfer with {self._peer} passed its deadline")
         except HixlError as exc:
             if not exc.failed:
                 exc.failed = [it.index for it in items[done:]]

@@ -1,0 +1,604 @@
+"""The socket data path end to end: a real DataServer serving real shm segments, and
+SocketTransport over both TCP and a unix socket. Every byte moved is checked."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from hixl import errors, wire
+from hixl.memory import ShmSegment
+from hixl.server.data_server import DataServer
+from hixl.transports.base import Item
+from hixl.transports.tcp import SocketTransport
+from hixl.types import MemType, Perm, SegmentInfo, TransferOp
+
+EPOCH = 5
+SEG_SIZE = 1 << 20
+FRAME = 64 << 10  # a small frame limit so splitting is exercised without 64 MiB buffers
+
+
+class Served:
+    """The table a DataServer resolves against: real ShmSegments, changeable at will."""
+
+    def __init__(self) -> None:
+        self.table: dict[int, wire.ServedSegment] = {}
+        self.shm: dict[int, ShmSegment] = {}
+
+    def add(self, segment_id: int, size: int = SEG_SIZE, perms: Perm = Perm.RW,
+            epoch: int = EPOCH) -> SegmentInfo:
+        shm = ShmSegment(size)
+        shm.view()[:] = random.Random(segment_id).randbytes(shm.length)
+        self.shm[segment_id] = shm
+        self.table[segment_id] = wire.ServedSegment(segment_id, epoch, shm.addr, shm.length,
+                                                    perms, shm.view())
+        return SegmentInfo(segment_id, "agent", "node", shm.addr, shm.length, MemType.MEM_HOST,
+                           perms, epoch, False)
+
+    def bytes_of(self, segment_id: int) -> bytes:
+        return bytes(self.shm[segment_id].view())
+
+    def resolve(self, segment_id: int) -> wire.ServedSegment | None:
+        return self.table.get(segment_id)
+
+
+@pytest.fixture
+def served() -> Iterator[Served]:
+    yield Served()
+
+
+@pytest.fixture
+def server(served: Served, tmp_path: Path) -> Iterator[DataServer]:
+    srv = DataServer(served.resolve, EPOCH, unix_path=str(tmp_path / "data.sock"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def address_of(srv: DataServer, kind: str) -> str:
+    return f"tcp://{srv.tcp_address}" if kind == "tcp" else f"unix://{srv.unix_path}"
+
+
+@pytest.fixture(params=["tcp", "unix"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def connect(server: DataServer, kind: str) -> Iterator[Callable[..., SocketTransport]]:
+    made: list[SocketTransport] = []
+
+    def make(**options: object) -> SocketTransport:
+        options.setdefault("frame_limit", FRAME)
+        transport = SocketTransport(address_of(server, kind), identity="test", **options)
+        made.append(transport)
+        return transport
+
+    yield make
+    for transport in made:
+        transport.close()
+
+
+def deadline(seconds: float = 20.0) -> float:
+    return time.monotonic() + seconds
+
+
+def random_items(rng: random.Random, info: SegmentInfo, local: ShmSegment, count: int,
+                 max_len: int) -> list[Item]:
+    """Items at random, non-overlapping remote ranges and local ranges."""
+    items: list[Item] = []
+    remote_cursor = local_cursor = 0
+    for index in range(count):
+        length = rng.randint(1, max_len)
+        remote_cursor += rng.randint(0, 3000)
+        local_cursor += rng.randint(0, 3000)
+        if remote_cursor + length > info.length or local_cursor + length > local.length:
+            break
+        items.append(Item(index, local.addr + local_cursor, info, info.base + remote_cursor,
+                          length))
+        remote_cursor += length
+        local_cursor += length
+    return items
+
+
+def apply_write(expected: bytearray, info: SegmentInfo, local: ShmSegment,
+                items: list[Item]) -> None:
+    view = local.view()
+    for item in items:
+        offset = item.remote_addr - info.base
+        local_offset = item.local_addr - local.addr
+        expected[offset:offset + item.length] = view[local_offset:local_offset + item.length]
+
+
+# ---------------------------------------------------------------- happy paths
+
+def test_write_then_read_random_ranges_byte_for_byte(served: Served, connect, kind: str) -> None:
+    info = served.add(1)
+    rng = random.Random(kind)
+    transport = connect()
+    assert transport.name == kind
+    local = ShmSegment(SEG_SIZE)
+    for round_ in range(4):
+        local.view()[:] = rng.randbytes(local.length)
+        expected = bytearray(served.bytes_of(1))
+        # sizes up to 3 frames, so some items are split; a batch per round
+        items = random_items(rng, info, local, count=40, max_len=3 * FRAME // (round_ + 1))
+        assert any(item.length > FRAME for item in items) or round_ > 1
+        transport.transfer(TransferOp.WRITE, items, deadline())
+        apply_write(expected, info, local, items)
+        assert served.bytes_of(1) == bytes(expected)
+
+        back = ShmSegment(SEG_SIZE)
+        reads = [Item(item.index, back.addr + (item.local_addr - local.addr), info,
+                      item.remote_addr, item.length) for item in items]
+        transport.transfer(TransferOp.READ, reads, deadline())
+        for item in items:
+            offset = item.local_addr - local.addr
+            assert bytes(back.view()[offset:offset + item.length]) == bytes(
+                local.view()[offset:offset + item.length])
+        untouched = bytearray(back.length)
+        for item in items:
+            offset = item.local_addr - local.addr
+            untouched[offset:offset + item.length] = back.view()[offset:offset + item.length]
+        assert bytes(back.view()) == bytes(untouched)  # nothing outside the read ranges
+        back.close()
+
+
+def test_ops_larger_than_the_protocol_frame_limit(served: Served, server: DataServer) -> None:
+    """The real MAX_PAYLOAD split: one op of MAX_PAYLOAD + 4097 bytes each way."""
+    size = wire.MAX_PAYLOAD + 4097
+    info = served.add(1, size=size + 8192)
+    local = ShmSegment(size)
+    local.view()[:size] = os.urandom(size)
+    transport = SocketTransport(address_of(server, "unix"))
+    try:
+        transport.transfer(TransferOp.WRITE, [Item(0, local.addr, info, info.base + 8192, size)],
+                           deadline(60))
+        assert served.shm[1].view()[8192:8192 + size] == local.view()[:size]
+        back = ShmSegment(size)
+        transport.transfer(TransferOp.READ, [Item(0, back.addr, info, info.base + 8192, size)],
+                           deadline(60))
+        assert back.view()[:size] == local.view()[:size]
+    finally:
+        transport.close()
+    assert server.counters["ops_write"] == 2 and server.counters["ops_read"] == 2
+
+
+def test_big_pipelined_batch_of_small_ops(served: Served, connect, server: DataServer) -> None:
+    info = served.add(1, size=4 << 20)
+    local = ShmSegment(2 << 20)
+    local.view()[:] = os.urandom(local.length)
+    transport = connect()
+    # 2048 x 1 KiB writes, every other KiB of the segment, in one batch
+    items = [Item(i, local.addr + i * 1024, info, info.base + i * 2048, 1024) for i in range(2048)]
+    expected = bytearray(served.bytes_of(1))
+    transport.transfer(TransferOp.WRITE, items, deadline())
+    apply_write(expected, info, local, items)
+    assert served.bytes_of(1) == bytes(expected)
+    back = ShmSegment(2 << 20)
+    transport.transfer(TransferOp.READ, [Item(i, back.addr + i * 1024, info, item.remote_addr,
+                                              1024) for i, item in enumerate(items)], deadline())
+    assert back.view()[:2048 * 1024] == local.view()[:2048 * 1024]
+    assert server.counters["ops_write"] == 2048 and server.counters["ops_read"] == 2048
+    assert server.counters["bytes_written"] == server.counters["bytes_read"] == 2048 * 1024
+
+
+def test_concurrent_transfers_from_many_threads(served: Served, connect,
+                                                server: DataServer) -> None:
+    info = served.add(1, size=4 << 20)
+    transport = connect(max_connections=3)
+    threads_n, chunk = 8, (4 << 20) // 8
+    problems: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            rng = random.Random(n)
+            local, back = ShmSegment(chunk), ShmSegment(chunk)
+            for _ in range(5):
+                local.view()[:] = rng.randbytes(chunk)
+                pieces = rng.choice([1, 7, 64])
+                size = chunk // pieces
+                base = info.base + n * chunk
+                items = [Item(i, local.addr + i * size, info, base + i * size, size)
+                         for i in range(pieces)]
+                transport.transfer(TransferOp.WRITE, items, deadline(60))
+                transport.transfer(TransferOp.READ, [Item(0, back.addr, info, base, chunk)],
+                                   deadline(60))
+                assert back.view()[:pieces * size] == local.view()[:pieces * size]
+        except BaseException as exc:  # reported by the main thread
+            problems.append(exc)
+
+    workers = [threading.Thread(target=worker, args=(n,)) for n in range(threads_n)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    assert not problems, problems
+    assert server.counters["connections"] <= 3  # the pool bound held
+
+
+def test_ping_and_pool_reuse(connect, server: DataServer) -> None:
+    transport = connect()
+    for _ in range(5):
+        transport.ping(deadline())
+    assert server.counters["connections"] == 1
+
+
+# ---------------------------------------------------------------- refusals
+
+def test_refused_items_leave_every_segment_byte_unchanged(served: Served, connect,
+                                                          server: DataServer) -> None:
+    rw = served.add(1)
+    ro = served.add(2, perms=Perm.READ)
+    wo = served.add(3, perms=Perm.WRITE)
+    stale = SegmentInfo(1, "agent", "node", rw.base, rw.length, MemType.MEM_HOST, Perm.RW,
+                        EPOCH - 1, False)
+    ghost = SegmentInfo(77, "agent", "node", rw.base, rw.length, MemType.MEM_HOST, Perm.RW,
+                        EPOCH, False)
+    local = ShmSegment(SEG_SIZE)
+    local.view()[:] = os.urandom(local.length)
+    transport = connect()
+    before = {sid: served.bytes_of(sid) for sid in (1, 2, 3)}
+    batch = [
+        Item(0, local.addr, rw, rw.base, 5000),  # fine
+        Item(1, local.addr, ro, ro.base, 5000),  # read-only segment
+        Item(2, local.addr, rw, rw.end - 4999, 5000),  # crosses the end by 1 byte
+        Item(3, local.addr, stale, rw.base + 10_000, 100),  # stale epoch
+        Item(4, local.addr, ghost, rw.base + 10_000, 100),  # unknown segment
+        Item(5, local.addr, rw, rw.base + 3 * FRAME, 3 * FRAME),  # fine, split in 3
+        Item(6, local.addr, rw, rw.end - 2 * FRAME, 2 * FRAME + 1),  # last frame crosses the end
+    ]
+    with pytest.raises(errors.PermissionDenied, match="does not allow writes") as info:
+        transport.transfer(TransferOp.WRITE, batch, deadline())
+    assert info.value.failed == [1, 2, 3, 4, 6]
+    expected = bytearray(before[1])
+    apply_write(expected, rw, local, [batch[0], batch[5]])
+    # item 6: its first frames were in range and landed; the crossing frame did not
+    expected[rw.length - 2 * FRAME:rw.length] = local.view()[:2 * FRAME]
+    assert served.bytes_of(1) == bytes(expected)
+    assert served.bytes_of(2) == before[2] and served.bytes_of(3) == before[3]
+    assert server.counters["refused"] == 5
+
+    # the stream stayed in step: the same (only) connection serves the next batch
+    transport.transfer(TransferOp.WRITE, [Item(0, local.addr + 7, rw, rw.base, 64)], deadline())
+    assert served.bytes_of(1)[:64] == bytes(local.view()[7:71])
+    assert server.counters["connections"] == 1
+
+    # READ refusals: a write-only segment, out of range; the local target stays as it was
+    back = ShmSegment(SEG_SIZE)
+    with pytest.raises(errors.PermissionDenied, match="does not allow reads") as info:
+        transport.transfer(TransferOp.READ, [
+            Item(0, back.addr, rw, rw.base, 64),
+            Item(1, back.addr + 4096, wo, wo.base, 4096),
+            Item(2, back.addr + 8192, rw, rw.base - 1, 10),
+        ], deadline())
+    assert info.value.failed == [1, 2]
+    assert bytes(back.view()[:64]) == bytes(local.view()[7:71])
+    assert bytes(back.view()[64:]) == bytes(back.length - 64)
+    for sid in (2, 3):
+        assert served.bytes_of(sid) == before[sid]
+
+
+@pytest.mark.parametrize("error, words", [
+    (errors.StaleEpoch, "stale"), (errors.OutOfRange, "outside"), (errors.ParamInvalid, "77"),
+])
+def test_first_refusal_decides_the_exception(served: Served, connect, error: type,
+                                             words: str) -> None:
+    rw = served.add(1)
+    local = ShmSegment(4096)
+    item = {
+        errors.StaleEpoch: Item(0, local.addr, SegmentInfo(
+            1, "a", "n", rw.base, rw.length, MemType.MEM_HOST, Perm.RW, EPOCH + 1, False),
+            rw.base, 8),
+        errors.OutOfRange: Item(0, local.addr, rw, rw.end, 8),
+        errors.ParamInvalid: Item(0, local.addr, SegmentInfo(
+            77, "a", "n", rw.base, rw.length, MemType.MEM_HOST, Perm.RW, EPOCH, False),
+            rw.base, 8),
+    }[error]
+    transport = connect()
+    for op in TransferOp:
+        with pytest.raises(error, match=words) as info:
+            transport.transfer(op, [item], deadline())
+        assert info.value.failed == [0]
+
+
+def test_segment_deregistered_between_batches(served: Served, connect) -> None:
+    info = served.add(1)
+    local = ShmSegment(4096)
+    transport = connect()
+    transport.transfer(TransferOp.WRITE, [Item(0, local.addr, info, info.base, 4096)], deadline())
+    del served.table[1]
+    with pytest.raises(errors.ParamInvalid, match="not served") as exc:
+        transport.transfer(TransferOp.WRITE, [Item(3, local.addr, info, info.base, 4096)],
+                           deadline())
+    assert exc.value.failed == [3]
+
+
+# ---------------------------------------------------------------- hostile or broken peers
+
+def raw_connection(srv: DataServer, kind: str, *, hello: bool = True) -> socket.socket:
+    if kind == "tcp":
+        host, port = srv.tcp_address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=10)
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(srv.unix_path)
+    if hello:
+        sock.sendall(wire.hello(1, b"raw"))
+        assert wire.decode_header(recv_exactly(sock, wire.HEADER_SIZE)).epoch == EPOCH
+    return sock
+
+
+def recv_exactly(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends before it closes (the socket timeout bounds the wait).
+
+    A server closing with our bytes unread resets the stream, which also counts as closed.
+    """
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+@pytest.mark.parametrize("garbage", ["random", "bad magic", "huge length", "reply"])
+def test_garbage_client_is_disconnected_and_others_are_served(
+        served: Served, server: DataServer, connect, kind: str, garbage: str) -> None:
+    info = served.add(1)
+    before = served.bytes_of(1)
+    good = connect()
+    good.ping(deadline())
+    bad = raw_connection(server, kind, hello=garbage != "random")
+    payload = {
+        "random": random.Random(3).randbytes(5000),
+        "bad magic": b"\x00\x01" + wire.write_header(2, 1, EPOCH, info.base, 8)[2:] + b"x" * 8,
+        "huge length": wire.write_header(2, 1, EPOCH, info.base, 1 << 62) + b"x" * 4096,
+        "reply": wire.ok_reply(2),
+    }[garbage]
+    with bad:
+        bad.sendall(payload)
+        data = read_until_closed(bad)  # the server closes it; the settimeout(10) bounds this
+    if data:  # an error reply explains why
+        header = wire.decode_header(data[:wire.HEADER_SIZE])
+        assert header.flags & wire.FLAG_ERROR_TEXT
+    assert served.bytes_of(1) == before
+    local = ShmSegment(4096)
+    local.view()[:] = os.urandom(4096)
+    good.transfer(TransferOp.WRITE, [Item(0, local.addr, info, info.base, 4096)], deadline())
+    assert served.bytes_of(1)[:4096] == bytes(local.view())
+    assert server.counters["protocol_errors"] == 1
+
+
+def test_stalled_payload_is_cut_off_but_idle_connections_live(served: Served, tmp_path: Path,
+                                                              kind: str) -> None:
+    info = served.add(1)
+    before = served.bytes_of(1)
+    srv = DataServer(served.resolve, EPOCH, unix_path=str(tmp_path / "s.sock"), io_timeout=0.2)
+    with srv:
+        idle = raw_connection(srv, kind)
+        stalled = raw_connection(srv, kind)
+        stalled.sendall(wire.write_header(2, 1, EPOCH, info.base, 4096) + b"x" * 100)
+        assert read_until_closed(stalled) == b""  # cut off after io_timeout, no reply
+        time.sleep(0.5)  # idle for longer than io_timeout: still served
+        idle.sendall(wire.Header(wire.Op.PING, 9).pack())
+        assert wire.decode_header(recv_exactly(idle, wire.HEADER_SIZE)).request_id == 9
+        idle.close()
+        stalled.close()
+        assert srv.counters["protocol_errors"] == 1
+    # the 100 bytes that came may have landed (a valid write, received in place); no more
+    assert served.bytes_of(1)[100:] == before[100:]
+
+
+def test_server_stopped_mid_transfer_fails_the_client_promptly(served: Served, tmp_path: Path,
+                                                               kind: str) -> None:
+    info = served.add(1, size=4 << 20)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_resolve(segment_id: int) -> wire.ServedSegment | None:
+        entered.set()  # the transfer is in flight: the server is on its first frame
+        release.wait(30)
+        return served.resolve(segment_id)
+
+    srv = DataServer(slow_resolve, EPOCH, unix_path=str(tmp_path / "s.sock"))
+    srv.start()
+    transport = SocketTransport(address_of(srv, kind), frame_limit=FRAME)
+    local = ShmSegment(4 << 20)
+    outcome: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            transport.transfer(TransferOp.WRITE, [Item(i, local.addr + i * FRAME, info,
+                                                       info.base + i * FRAME, FRAME)
+                                                  for i in range(64)], deadline(30))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=client)
+    caller.start()
+    assert entered.wait(30)
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()
+    caller.join(30)  # the client fails as soon as the server shuts the stream
+    release.set()
+    stopper.join(30)
+    assert not caller.is_alive() and not stopper.is_alive()
+    transport.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], errors.PeerUnavailable), outcome
+    assert outcome[0].failed == list(range(64))  # nothing was acknowledged
+
+
+def test_stopped_server_closes_pooled_connections(served: Served, tmp_path: Path,
+                                                  kind: str) -> None:
+    info = served.add(1)
+    path = str(tmp_path / "s.sock")
+    srv = DataServer(served.resolve, EPOCH, unix_path=path)
+    srv.start()
+    transport = SocketTransport(address_of(srv, kind))
+    local = ShmSegment(4096)
+    transport.transfer(TransferOp.WRITE, [Item(0, local.addr, info, info.base, 64)], deadline())
+    srv.stop()
+    assert srv.live_connections == 0
+    assert not os.path.exists(path)
+    # the pooled connection is seen dead; a fresh connect is refused: PeerUnavailable
+    with pytest.raises(errors.PeerUnavailable, match="cannot connect") as exc:
+        transport.transfer(TransferOp.WRITE, [Item(4, local.addr, info, info.base, 64)],
+                           deadline())
+    assert exc.value.failed == [4]
+    transport.close()
+
+
+def silent_listener(kind: str, tmp_path: Path, *, answer_hello: bool) -> tuple[str, Callable]:
+    """A server that accepts and then never replies (optionally after the HELLO)."""
+    if kind == "tcp":
+        listener = socket.create_server(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    else:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(tmp_path / "silent.sock"))
+        listener.listen()
+        address = f"unix://{tmp_path / 'silent.sock'}"
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed by cleanup
+            accepted.append(conn)
+            if answer_hello:
+                header = wire.decode_header(recv_exactly(conn, wire.HEADER_SIZE))
+                recv_exactly(conn, header.length)
+                conn.sendall(wire.Header(wire.Op.REPLY, header.request_id, epoch=EPOCH).pack())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def cleanup() -> None:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(10)
+        for conn in accepted:
+            conn.close()
+
+    return address, cleanup
+
+
+@pytest.mark.parametrize("answer_hello", [False, True], ids=["silent", "silent-after-hello"])
+def test_deadline_passes_while_server_stalls(served: Served, tmp_path: Path, kind: str,
+                                             answer_hello: bool) -> None:
+    info = served.add(1)
+    address, cleanup = silent_listener(kind, tmp_path, answer_hello=answer_hello)
+    transport = SocketTransport(address, connect_timeout=30)
+    local = ShmSegment(1 << 20)
+    items = [Item(i, local.addr, info, info.base, 1 << 20) for i in (2, 5, 9)]
+    try:
+        for op in TransferOp:
+            with pytest.raises(errors.TransferTimeout, match=re.escape(address)) as exc:
+                transport.transfer(op, items, time.monotonic() + 0.3)
+            assert exc.value.failed == [2, 5, 9]
+        with pytest.raises(errors.TransferTimeout, match=re.escape(address)):
+            transport.ping(time.monotonic() + 0.3)
+    finally:
+        transport.close()
+        cleanup()
+
+
+def test_connection_refused_names_the_address(tmp_path: Path, served: Served) -> None:
+    info = served.add(1)
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    local = ShmSegment(4096)
+    for address in (f"tcp://127.0.0.1:{port}", f"unix://{tmp_path}/nobody.sock"):
+        transport = SocketTransport(address)
+        with pytest.raises(errors.PeerUnavailable, match=re.escape(address)) as exc:
+            transport.transfer(TransferOp.READ, [Item(1, local.addr, info, info.base, 8)],
+                               deadline())
+        assert exc.value.failed == [1]
+        with pytest.raises(errors.PeerUnavailable, match="refused"):
+            transport.ping(deadline())
+        transport.close()
+
+
+def test_transfer_after_close_raises_not_connected(served: Served, connect) -> None:
+    info = served.add(1)
+    local = ShmSegment(4096)
+    transport = connect()
+    transport.ping(deadline())
+    transport.close()
+    with pytest.raises(errors.NotConnected) as exc:
+        transport.transfer(TransferOp.WRITE, [Item(6, local.addr, info, info.base, 8)],
+                           deadline())
+    assert exc.value.failed == [6]
+    with pytest.raises(errors.NotConnected):
+        transport.ping(deadline())
+
+
+def test_connections_over_the_limit_are_turned_away(served: Served, tmp_path: Path,
+                                                    kind: str) -> None:
+    srv = DataServer(served.resolve, EPOCH, unix_path=str(tmp_path / "s.sock"),
+                     max_connections=1)
+    with srv:
+        first = SocketTransport(address_of(srv, kind))
+        first.ping(deadline())
+        second = SocketTransport(address_of(srv, kind))
+        with pytest.raises(errors.PeerUnavailable, match="handshake"):
+            second.ping(deadline())
+        first.ping(deadline())
+        first.close()
+        second.close()
+        assert srv.counters["connections_rejected"] == 1
+
+
+@pytest.mark.parametrize("address", ["http://x:1", "tcp://nohost", "tcp://h:0", "unix://rel/p"])
+def test_bad_addresses_are_refused(address: str) -> None:
+    with pytest.raises(errors.ParamInvalid):
+        SocketTransport(address)
+
+
+# ---------------------------------------------------------------- the unix socket file
+
+def test_unix_socket_mode_and_stale_file(served: Served, tmp_path: Path) -> None:
+    path = tmp_path / "agent.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))  # a dead server's leftover: bound, never listening, then closed
+    stale.close()
+    srv = DataServer(served.resolve, EPOCH, tcp_host=None, unix_path=str(path))
+    with srv:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        assert srv.tcp_address == ""
+        SocketTransport(f"unix://{path}").ping(deadline())
+        other = DataServer(served.resolve, EPOCH, tcp_host=None, unix_path=str(path))
+        with pytest.raises(errors.ConfigError, match="another server"):
+            other.start()
+        assert path.exists()  # the live server's socket was not taken away
+    assert not path.exists()
+    path.write_text("not a socket")
+    with pytest.raises(errors.ConfigError, match="not a socket"):
+        DataServer(served.resolve, EPOCH, tcp_host=None, unix_path=str(path)).start()
+    assert path.read_text() == "not a socket"
