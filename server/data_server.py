@@ -32,6 +32,8 @@ log = logging.getLogger("hixl.data")
 _FLUSH_BYTES = 256 << 10  # send gathered replies once they carry this much data
 _FLUSH_BUFFERS = 512  # ... or this many buffers
 _DISCARD_CHUNK = 64 << 10
+_LINGER_S = 1.0  # after a protocol error: how long to drain the peer before closing
+_LINGER_BYTES = 16 << 20
 _SCATTER_MAX = 256 << 10  # WRITE payloads up to this size are read with the next header
 _STOP_WAIT = 5.0  # stop(): longest wait for all threads to end
 
@@ -198,7 +200,8 @@ class DataServer:
                 log.warning("data server accept failed: %s", exc)  # e.g. EMFILE: back off
                 time.sleep(0.05)
                 continue
-            with self._lock:
+            thread: threading.Thread | None = None
+            with self._lock:  # decided once, so stop() never sees a thread that won't start
                 full = len(self._live) >= self._max_connections
                 if full:
                     self.counters["connections_rejected"] += 1
@@ -207,23 +210,19 @@ class DataServer:
                     thread = threading.Thread(target=self._serve, args=(sock, peer or "unix"),
                                               daemon=True, name="hixl-data-conn")
                     self._live[sock] = thread
-            if full or self._stopping:
+                    thread.start()
+            if thread is None:
                 if full:
                     log.warning("data server: turning a connection away, %d live is the "
                                 "maximum", self._max_connections)
                 sock.close()
-                continue
-            thread.start()
 
     # ------------------------------------------------------------ one connection
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
         try:
             sock.settimeout(None)  # blocking; stalls are bounded by the kernel timeouts
-            if sock.family != socket.AF_INET and sock.family != socket.AF_INET6:
-                tune_socket(sock)
-            else:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_socket(sock)
             seconds = int(self._io_timeout)
             timeval = struct.pack("ll", seconds, int((self._io_timeout - seconds) * 1e6))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
@@ -306,6 +305,7 @@ class _Connection:
                     replies.append(action.reply)
                 with contextlib.suppress(OSError, _Stalled):
                     self._flush()
+                    self._drain_before_close()
                 return
             if len(replies) >= _FLUSH_BUFFERS or self.reply_bytes >= _FLUSH_BYTES:
                 self._flush()
@@ -336,6 +336,8 @@ class _Connection:
             if n == 0:
                 if got:
                     raise _PeerGone()
+                with contextlib.suppress(OSError, _Stalled):
+                    self._flush()  # a half-closed peer still reads its replies
                 return False
             got += max(n, 0)
             if got < wire.HEADER_SIZE:
@@ -389,6 +391,26 @@ class _Connection:
             if filled >= size:
                 self.have = filled - size
                 return
+
+    def _drain_before_close(self) -> None:
+        """Half-close, then swallow what the peer already sent (bounded in bytes and time).
+
+        Closing with unread input makes the kernel send RST, which can destroy the error
+        reply before the peer reads it; a peer that is told why gets to read why.
+        """
+        self.sock.shutdown(socket.SHUT_WR)
+        self.sock.settimeout(_LINGER_S)
+        scratch = bytearray(_DISCARD_CHUNK)
+        budget = _LINGER_BYTES
+        deadline = time.monotonic() + _LINGER_S
+        while budget > 0 and time.monotonic() < deadline:
+            try:
+                got = self.sock.recv_into(scratch)
+            except (TimeoutError, BlockingIOError):
+                return
+            if not got:
+                return
+            budget -= got
 
     def _discard(self, count: int) -> None:
         """Read and drop a refused WRITE's payload, keeping the stream in step."""

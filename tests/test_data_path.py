@@ -470,8 +470,9 @@ def test_stopped_server_closes_pooled_connections(served: Served, tmp_path: Path
     transport.close()
 
 
-def silent_listener(kind: str, tmp_path: Path, *, answer_hello: bool) -> tuple[str, Callable]:
-    """A server that accepts and then never replies (optionally after the HELLO)."""
+def silent_listener(kind: str, tmp_path: Path, *, mode: str) -> tuple[str, Callable]:
+    """A server that accepts and then never replies ("silent"), answers only the HELLO
+    ("after-hello"), or answers everything a byte per 20 ms ("trickle")."""
     if kind == "tcp":
         listener = socket.create_server(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
@@ -489,10 +490,20 @@ def silent_listener(kind: str, tmp_path: Path, *, answer_hello: bool) -> tuple[s
             except OSError:
                 return  # closed by cleanup
             accepted.append(conn)
-            if answer_hello:
-                header = wire.decode_header(recv_exactly(conn, wire.HEADER_SIZE))
-                recv_exactly(conn, header.length)
-                conn.sendall(wire.Header(wire.Op.REPLY, header.request_id, epoch=EPOCH).pack())
+            if mode == "silent":
+                continue
+            header = wire.decode_header(recv_exactly(conn, wire.HEADER_SIZE))
+            recv_exactly(conn, header.length)
+            conn.sendall(wire.Header(wire.Op.REPLY, header.request_id, epoch=EPOCH).pack())
+            if mode == "trickle":
+                threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+
+    def trickle(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while header := recv_exactly(conn, wire.HEADER_SIZE):
+                for byte in wire.ok_reply(wire.decode_header(header).request_id):
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.02)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -508,14 +519,15 @@ def silent_listener(kind: str, tmp_path: Path, *, answer_hello: bool) -> tuple[s
     return address, cleanup
 
 
-@pytest.mark.parametrize("answer_hello", [False, True], ids=["silent", "silent-after-hello"])
+@pytest.mark.parametrize("mode", ["silent", "after-hello", "trickle"])
 def test_deadline_passes_while_server_stalls(served: Served, tmp_path: Path, kind: str,
-                                             answer_hello: bool) -> None:
+                                             mode: str) -> None:
     info = served.add(1)
-    address, cleanup = silent_listener(kind, tmp_path, answer_hello=answer_hello)
+    address, cleanup = silent_listener(kind, tmp_path, mode=mode)
     transport = SocketTransport(address, connect_timeout=30)
     local = ShmSegment(1 << 20)
-    items = [Item(i, local.addr, info, info.base, 1 << 20) for i in (2, 5, 9)]
+    items = [Item(i, local.addr, info, info.base, 1 << 20 if mode != "trickle" else 8)
+             for i in (2, 5, 9)]
     try:
         for op in TransferOp:
             with pytest.raises(errors.TransferTimeout, match=re.escape(address)) as exc:
@@ -602,3 +614,94 @@ def test_unix_socket_mode_and_stale_file(served: Served, tmp_path: Path) -> None
     with pytest.raises(errors.ConfigError, match="not a socket"):
         DataServer(served.resolve, EPOCH, tcp_host=None, unix_path=str(path)).start()
     assert path.read_text() == "not a socket"
+
+
+# ---------------------------------------------------------------- streams cut in small pieces
+
+def dribble(sock: socket.socket, data: bytes, rng: random.Random) -> None:
+    """Send in 1-7 byte pieces, so the peer sees every partial-read state."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    pos = 0
+    while pos < len(data):
+        step = rng.randint(1, 7)
+        sock.sendall(data[pos:pos + step])
+        pos += step
+        if rng.random() < 0.05:
+            time.sleep(0.001)
+
+
+def test_client_reads_replies_arriving_in_pieces(served: Served) -> None:
+    """A server built on ServerProtocol that dribbles every reply (a few bytes per send)."""
+    rw = served.add(1, size=1 << 16)
+    ro = served.add(2, size=1 << 16, perms=Perm.READ)
+    listener = socket.create_server(("127.0.0.1", 0))
+    rng = random.Random(7)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            proto = wire.ServerProtocol(served.resolve, EPOCH)
+            while header := recv_exactly(conn, wire.HEADER_SIZE):
+                action = proto.on_header(header)
+                if isinstance(action, wire.ReadHello):
+                    identity = recv_exactly(conn, action.count)
+                    action = proto.on_hello(action.request_id, identity)
+                if isinstance(action, wire.ReceiveInto):
+                    action.target[:] = recv_exactly(conn, len(action.target))
+                elif isinstance(action, wire.Discard):
+                    recv_exactly(conn, action.count)
+                assert not isinstance(action, wire.Close)
+                payload = getattr(action, "payload", None)
+                dribble(conn, action.reply + (bytes(payload) if payload is not None else b""), rng)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    transport = SocketTransport(f"tcp://127.0.0.1:{listener.getsockname()[1]}", identity="x" * 300)
+    local, back = ShmSegment(1 << 16), ShmSegment(1 << 16)
+    local.view()[:] = os.urandom(local.length)
+    try:
+        writes = [Item(i, local.addr + i * 1000, rw, rw.base + i * 1000, 1000) for i in range(20)]
+        writes[4] = Item(4, local.addr, ro, ro.base, 1000)  # refused: read-only
+        with pytest.raises(errors.PermissionDenied) as exc:
+            transport.transfer(TransferOp.WRITE, writes, deadline())
+        assert exc.value.failed == [4]
+        reads = [Item(i, back.addr + i * 1000, rw, rw.base + i * 1000, 1000) for i in range(20)]
+        reads[9] = Item(9, back.addr + 9000, rw, rw.end - 999, 1000)  # refused: out of range
+        with pytest.raises(errors.OutOfRange) as exc:
+            transport.transfer(TransferOp.READ, reads, deadline())
+        assert exc.value.failed == [9]
+        for i in set(range(20)) - {4, 9}:
+            assert back.view()[i * 1000:(i + 1) * 1000] == local.view()[i * 1000:(i + 1) * 1000]
+        assert bytes(back.view()[9000:10000]) == bytes(1000)  # a refused read wrote nothing
+        transport.ping(deadline())
+    finally:
+        transport.close()
+        thread.join(10)
+        listener.close()
+
+
+def test_server_reads_requests_arriving_in_pieces(served: Served, server: DataServer) -> None:
+    rw = served.add(1, size=1 << 16)
+    ro = served.add(2, size=1 << 16, perms=Perm.READ)
+    before = served.bytes_of(2)
+    data = os.urandom(3000)
+    client = wire.ClientProtocol()
+    stream = (client.hello(b"dribbler")
+              + client.write(1, EPOCH, rw.base + 10, 3000) + data
+              + client.write(2, EPOCH, ro.base, 500) + b"z" * 500  # refused, payload skipped
+              + client.write(1, EPOCH, rw.base + 5000, 1) + b"!"
+              + client.read(1, EPOCH, rw.base + 10, 3000)
+              + client.ping())
+    sock = raw_connection(server, "tcp", hello=False)
+    with sock:
+        dribble(sock, stream, random.Random(1))
+        replies = []
+        while client.outstanding:
+            header = client.on_reply_header(recv_exactly(sock, wire.HEADER_SIZE))
+            replies.append((header, recv_exactly(sock, wire.payload_length(header))))
+    assert [bool(h.flags & wire.FLAG_ERROR_TEXT) for h, _ in replies] == [
+        False, False, True, False, False, False]
+    assert isinstance(wire.reply_error(*replies[2]), errors.PermissionDenied)
+    assert replies[4][1] == data
+    assert served.bytes_of(1)[10:3010] == data and served.bytes_of(1)[5000:5001] == b"!"
+    assert served.bytes_of(2) == before
