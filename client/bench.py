@@ -413,8 +413,7 @@ class Side:
     engine: Any
     local: np.ndarray
     verify: np.ndarray
-    fabric_used: bool = False
-    socket_kind: str = "unknown"
+    route: str = "unknown"  # "fabric", "unix" or "tcp": the path its transfers took
     handles: list[Any] = field(default_factory=list)
 
     @property
@@ -428,19 +427,6 @@ def _page_aligned(nbytes: int) -> np.ndarray:
     raw = np.ones(nbytes + page, dtype=np.uint8)
     start = -raw.ctypes.data % page
     return raw[start:start + nbytes]
-
-
-def _path_facts(engine: Any, agent: str) -> tuple[bool, str]:
-    """(fabric mapping available, socket kind "unix"/"tcp") for the connection to `agent`.
-
-    Reads the engine's peer record; the bench reports which path each engine really took.
-    """
-    peer = getattr(engine, "_peers", {}).get(agent)
-    if peer is None:
-        return False, "unknown"
-    address = str(getattr(peer, "socket_address", ""))
-    kind = "unix" if address.startswith("unix://") else "tcp" if address else "unknown"
-    return getattr(peer, "fabric", None) is not None, kind
 
 
 def sample_windows(block: int, batch: int) -> list[tuple[int, int]]:
@@ -512,8 +498,8 @@ class Bench:
             side.engine.transfer(self.agent, TransferOp.READ,
                                  [TransferOpDesc(side.local_addr, self.remote_base, 1)],
                                  self.config.timeout)
-            side.fabric_used, side.socket_kind = _path_facts(side.engine, self.agent)
-        self.socket_kind = self.sides["socket"].socket_kind
+            side.route = side.engine.route(self.agent, self.remote_base)
+        self.socket_kind = self.sides["socket"].route if "socket" in self.sides else "unix"
         self.raw = RawStreamServer(self.call_bytes, self.workdir)
         self._stack.callback(self.raw.stop)
         if "fabric" in config.paths and config.matrix:
@@ -575,7 +561,7 @@ class Bench:
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                      "python": platform.python_version()},
             "config": {**asdict(config), "paths": list(config.paths)},
-            "paths": {path: {"fabric_mapped": side.fabric_used, "socket": side.socket_kind}
+            "paths": {path: {"route": side.route}
                       for path, side in self.sides.items()},
             "socket_baseline": f"raw-{self.socket_kind}",
             "cells": self.cells,
@@ -769,13 +755,13 @@ class Bench:
                         began = time.perf_counter_ns()
                         engine.transfer(self.agent, transfer_op, descs, self.config.timeout)
                         latencies.append(time.perf_counter_ns() - began)
-                    mapped, kind = _path_facts(engine, self.agent)
+                    route = engine.route(self.agent, self.remote_base)
                 self._check(side, transfer_op, windows, expected, f"hixl-style {path} {op}")
                 steady = Timing(latencies[1:], sum(latencies[1:]) / 1e9) if count > 1 else \
                     Timing(latencies, sum(latencies) / 1e9)
                 results.append({"kind": "hixl-style", "path": path, "op": op, "block": block,
                                 "transfers": count, "first_us": latencies[0] / 1e3,
-                                "fabric_mapped": mapped, "socket": kind,
+                                "route": route,
                                 **steady.summary(block, 1), "verified": True})
         return results
 
@@ -847,7 +833,7 @@ def _table(header: Sequence[str], rows: list[list[str]]) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable tables: engine cells with ratios, baselines, HIXL-style, targets."""
     out: list[str] = []
-    paths = ", ".join(f"{p}: {'mapped' if f['fabric_mapped'] else 'socket ' + f['socket']}"
+    paths = ", ".join(f"{p}: {f['route']}"
                       for p, f in report["paths"].items())
     out.append(f"hixl bench  agent {report['agent']}  ({paths}; socket ratios vs "
                f"{report['socket_baseline']})  {report['host']['cpus']} CPUs")

@@ -427,6 +427,14 @@ class Engine:
         peer.table = table
         peer.hint = None
 
+    def route(self, remote: str, remote_addr: int) -> str:
+        """The data path an op on `remote_addr` of `remote` takes: "fabric", "unix" or "tcp"."""
+        peer = self._peer(remote)
+        _, segment = peer.table.find(remote_addr, 1, "remote address")
+        if peer.fabric is not None and segment.shareable:
+            return "fabric"
+        return peer.socket_address.partition("://")[0]
+
     def allocate(self, remote: str, size: int, perms: Perm | str = Perm.RW,
                  name: str = "") -> SegmentInfo:
         """Allocate a segment in a remote agent's pool (one RPC); it joins the cached table."""

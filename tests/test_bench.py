@@ -61,8 +61,8 @@ def test_bench_json_has_every_cell_with_positive_numbers() -> None:
                 for op in bench.OPS:
                     assert (kind, op, size, batch) in baselines
     # on one node the fabric engine maps the segment and the socket engine uses unix
-    assert report["paths"]["fabric"]["fabric_mapped"] is True
-    assert report["paths"]["socket"]["fabric_mapped"] is False
+    assert report["paths"]["fabric"]["route"] == "fabric"
+    assert report["paths"]["socket"]["route"] == "unix"
     assert report["socket_baseline"] == "raw-unix"
     style = {(h["path"], h["op"]) for h in report["hixl_style"]}
     assert style == {(p, o) for p in bench.PATHS for o in bench.OPS}
