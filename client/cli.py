@@ -53,24 +53,22 @@ def _choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a positive int or float, refused by name otherwise."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not value > 0:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        return value
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return value
+_positive_float = _positive(float)
+_positive_int = _positive(int)
 
 
 def _one_size(text: str) -> int:

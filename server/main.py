@@ -105,8 +105,8 @@ def agent_main(argv: list[str] | None = None) -> int:
 
 
 def master_main(argv: list[str] | None = None) -> int:
-    """The hixl-master console script (implemented in hixl.server.registry / master)."""
-    from hixl.server.registry import run_master
+    """The hixl-master console script (implemented in hixl.server.master)."""
+    from hixl.server.master import run_master
 
     return run_master(sys.argv[1:] if argv is None else argv)
 

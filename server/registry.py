@@ -518,15 +518,8 @@ def add_registry_service(server: grpc.aio.Server, registry: Registry, *,
     task.add_done_callback(_EXPIRY_TASKS.discard)
 
 
-def run_master(argv: list[str] | None = None) -> int:
-    """The hixl-master process entry (lives in hixl.server.master; re-exported here)."""
-    from hixl.server.master import run_master as master_entry
-
-    return master_entry(argv)
-
-
 __all__ = [
     "EventKind", "Registry", "RegistryEvent", "RegistryServicer", "Subscription",
     "SERVER_KEEPALIVE_OPTIONS", "add_registry_service", "event_to_pb", "expire_forever",
-    "start_expiry", "run_master",
+    "start_expiry",
 ]
