@@ -45,7 +45,8 @@ log = logging.getLogger("hixl.engine")
 
 DEFAULT_TIMEOUT_S = 1.0  # HIXL's default timeout_in_millis is 1000
 ASYNC_WORKERS = 4
-INLINE_ASYNC_BYTES = 256 << 10  # async fabric transfers up to this size complete in the call
+INLINE_ASYNC_BYTES = 256 << 10
+_NEED_WRITE, _NEED_READ = int(Perm.WRITE), int(Perm.READ)  # plain ints: IntFlag ops are slow  # async fabric transfers up to this size complete in the call
 
 
 def parse_engine_name(name: str) -> tuple[str, int]:
@@ -480,7 +481,8 @@ class Engine:
 
     @staticmethod
     def _deadline(timeout: float) -> float:
-        if not isinstance(timeout, int | float) or timeout <= 0:
+        if (type(timeout) is not float and type(timeout) is not int and (
+                not isinstance(timeout, int | float) or isinstance(timeout, bool))) or not timeout > 0:
             raise ParamInvalid(f"timeout must be a positive number of seconds, got {timeout!r}")
         return time.monotonic() + timeout
 
@@ -504,7 +506,7 @@ class Engine:
         fabric_items: list[Item] = []
         socket_items: list[Item] = []
         writing = op == TransferOp.WRITE
-        need = int(Perm.WRITE if writing else Perm.READ)
+        need = _NEED_WRITE if writing else _NEED_READ
         # ranges that the previous call resolved: checked again below, looked up only on a miss
         l_base, l_end, l_readonly = self._local_hint
         segment = peer.hint

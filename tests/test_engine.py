@@ -388,3 +388,12 @@ def test_allocate_and_release_in_a_remote_pool(node) -> None:
             engine.write(node.engine, data, segment.base)
         with pytest.raises(ParamInvalid, match="not registered"):
             engine.release(node.engine, segment)
+
+
+def test_auto_connect_option_connects_on_first_use(node) -> None:
+    with Engine("127.0.0.1", {"EnableUseFabricMem": "1", "AutoConnect": "1"}) as engine:
+        kv = pool_segment(engine, node.engine, "kv")  # no connect() call first
+        data = pattern(41, 8192)
+        engine.register(data)
+        engine.write(node.engine, data, kv.base + 100)
+        assert snapshot(engine, node.engine, kv)[100:100 + 8192] == data.tobytes()
