@@ -23,7 +23,8 @@ from typing import Any
 
 import grpc
 
-from hixl.control import error_class, error_from_rpc, segment_from_pb
+from hixl.auth import as_token
+from hixl.control import authenticated_channel, error_class, error_from_rpc, segment_from_pb
 from hixl.errors import (
     HixlError,
     NotConnected,
@@ -62,15 +63,21 @@ class AgentInfo:
 
 
 class AgentClient:
-    """Blocking client of one agent's Agent service."""
+    """Blocking client of one agent's Agent service.
 
-    def __init__(self, target: str, *, timeout: float = 5.0) -> None:
+    With a `cluster_token`, every call proves it (hixl.auth); an agent that has a token
+    refuses calls without it with AuthenticationFailed.
+    """
+
+    def __init__(self, target: str, *, timeout: float = 5.0,
+                 cluster_token: str | bytes | None = None) -> None:
         if not timeout or timeout <= 0:
             raise ParamInvalid(f"agent client timeout must be positive, got {timeout}")
         self.target = target
         self.timeout = timeout
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = agent_pb2_grpc.AgentStub(self._channel)
+        self._stub = agent_pb2_grpc.AgentStub(
+            authenticated_channel(self._channel, as_token(cluster_token)))
 
     def _call(self, method: str, request: Any, what: str, timeout: float | None) -> Any:
         try:

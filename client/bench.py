@@ -88,6 +88,13 @@ class BenchConfig:
     hixl_style: bool = True
     hixl_block: int = HIXL_BLOCK
     hixl_transfers: int = 100
+    # Across nodes (`agent` on another host): the raw stream baseline must run between the
+    # same two hosts, so a raw server there is given (`--raw-server --tcp`), and so may a
+    # Mooncake target (`python -m hixl.client.mooncake_baseline`).
+    raw_peer: str | None = None  # "host:port" of a raw stream server; None starts one here
+    local: str | None = None  # IP of this side's engines; None: the one that routes to the agent
+    mooncake: str = "auto"  # "auto": measured when mooncake.engine imports; "on": required; "off"
+    mooncake_peer: str | None = None  # a Mooncake target's segment "ip:rpc_port"; None starts one
 
     def batches_for(self, block: int) -> list[int]:
         """The batch sizes for `block`, capped by max_call_bytes, without duplicates."""
@@ -299,22 +306,42 @@ def _raw_serve_connection(conn: socket.socket, buffer: np.ndarray) -> None:
                     conn.sendall(view[i * block:(i + 1) * block])
 
 
+def split_host_port(text: str) -> tuple[str, int]:
+    """"host:port" (or "[v6]:port") -> (host, port); ValueError names what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
 def raw_server_main(argv: Sequence[str] | None = None) -> int:
-    """The raw stream peer: serves unix and TCP loopback until its stdin closes."""
+    """The raw stream peer: serves TCP (and a unix socket if asked) until its stdin closes.
+
+    `--tcp HOST:PORT` makes it listenable from another host, for cross-node baselines;
+    `--forever` ignores stdin and serves until it is killed.
+    """
     parser = argparse.ArgumentParser(prog="hixl-bench-raw-server")
     parser.add_argument("--raw-server", action="store_true", required=True)
-    parser.add_argument("--unix", required=True)
+    parser.add_argument("--unix", help="also serve on this unix socket path")
+    parser.add_argument("--tcp", default="127.0.0.1:0", type=split_host_port,
+                        help="TCP address to listen on (default 127.0.0.1:0, a free port)")
     parser.add_argument("--buffer", type=int, required=True)
+    parser.add_argument("--forever", action="store_true",
+                        help="serve until killed instead of until stdin closes")
     args = parser.parse_args(argv)
     buffer = np.ones(args.buffer, dtype=np.uint8)  # written once: pre-faulted
-    tcp = socket.create_server(("127.0.0.1", 0))
-    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    unix.bind(args.unix)
-    unix.listen()
+    host, port = args.tcp
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     selector = selectors.DefaultSelector()
+    tcp = socket.create_server((host, port), family=family)
     selector.register(tcp, selectors.EVENT_READ)
-    selector.register(unix, selectors.EVENT_READ)
-    selector.register(sys.stdin, selectors.EVENT_READ)
+    if args.unix:
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(args.unix)
+        unix.listen()
+        selector.register(unix, selectors.EVENT_READ)
+    if not args.forever:
+        selector.register(sys.stdin, selectors.EVENT_READ)
     print(f"{RAW_READY} {tcp.getsockname()[1]}", flush=True)
     while True:
         for key, _ in selector.select():
@@ -323,20 +350,46 @@ def raw_server_main(argv: Sequence[str] | None = None) -> int:
                     return 0
                 continue
             conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
-            if conn.family == socket.AF_INET:
+            if conn.family in (socket.AF_INET, socket.AF_INET6):
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=_raw_serve_connection, args=(conn, buffer),
                              daemon=True).start()
 
 
-class RawStreamServer:
+class RawPeer:
+    """Where a raw stream peer listens: TCP (possibly on another host) and maybe unix."""
+
+    def __init__(self, tcp: tuple[str, int], unix_path: str | None = None) -> None:
+        self.tcp = tcp
+        self.unix_path = unix_path
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return ("unix", "tcp") if self.unix_path else ("tcp",)
+
+    def connect(self, kind: str) -> RawStreamClient:
+        if kind == "unix":
+            assert self.unix_path is not None
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(_IO_TIMEOUT_S)
+            sock.connect(self.unix_path)
+        else:
+            sock = socket.create_connection(self.tcp, timeout=_IO_TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return RawStreamClient(sock)
+
+    def stop(self) -> None:
+        """A peer this run did not start is left running."""
+
+
+class RawStreamServer(RawPeer):
     """The raw-stream peer process (unix socket + TCP loopback), one per bench run."""
 
     def __init__(self, buffer_bytes: int, workdir: str) -> None:
-        self.unix_path = os.path.join(workdir, "raw.sock")
+        unix_path = os.path.join(workdir, "raw.sock")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hixl.client.bench", "--raw-server",
-             "--unix", self.unix_path, "--buffer", str(buffer_bytes)],
+             "--unix", unix_path, "--buffer", str(buffer_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
         lines: queue.Queue[str] = queue.Queue()
@@ -350,17 +403,7 @@ class RawStreamServer:
         if not line.startswith(RAW_READY):
             self.stop()
             raise RuntimeError(f"raw stream server failed: {line.strip()}")
-        self.tcp_port = int(line.split()[1])
-
-    def connect(self, kind: str) -> RawStreamClient:
-        if kind == "unix":
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(_IO_TIMEOUT_S)
-            sock.connect(self.unix_path)
-        else:
-            sock = socket.create_connection(("127.0.0.1", self.tcp_port), timeout=_IO_TIMEOUT_S)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return RawStreamClient(sock)
+        super().__init__(("127.0.0.1", int(line.split()[1])), unix_path)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -403,6 +446,21 @@ class RawStreamClient:
 
 class BenchFailure(RuntimeError):
     """The engine moved wrong bytes or could not run a cell: the run is aborted."""
+
+
+def local_address_towards(agent: str) -> str:
+    """The IP this host uses to reach `agent` ("host:port"): the engines' local name.
+
+    A connected UDP socket sends nothing; the kernel just picks the route and source.
+    """
+    host, port = split_host_port(agent)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, port or 9))
+        except OSError as exc:
+            raise BenchFailure(f"no route to agent {agent}: {exc}") from None
+        return probe.getsockname()[0]
 
 
 @dataclass
@@ -481,10 +539,11 @@ class Bench:
             self._stack.callback(agent.stop)
             self._note("starting hixl-agent")
             self.agent = agent.wait_ready()
+        self.local = config.local or local_address_towards(self.agent)
         self.workdir = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="hixl-raw-"))
         verify_bytes = sum(n for _, n in self._all_windows()) or 1
         for path in PATHS:  # both engines always: each verifies the other's cells
-            engine = Engine("127.0.0.1", {"EnableUseFabricMem": PATH_OPTION[path]})
+            engine = Engine(self.local, {"EnableUseFabricMem": PATH_OPTION[path]})
             self._stack.callback(engine.close)
             self._connect(engine)
             side = Side(path, engine, _page_aligned(self.call_bytes), _page_aligned(verify_bytes))
@@ -499,12 +558,78 @@ class Bench:
                                  [TransferOpDesc(side.local_addr, self.remote_base, 1)],
                                  self.config.timeout)
             side.route = side.engine.route(self.agent, self.remote_base)
-        self.socket_kind = self.sides["socket"].route if "socket" in self.sides else "unix"
-        self.raw = RawStreamServer(self.call_bytes, self.workdir)
-        self._stack.callback(self.raw.stop)
-        if "fabric" in config.paths and config.matrix:
+        # another node: both engines stream over TCP, and the fabric path does not apply
+        self.across_nodes = self.sides["fabric"].route == self.sides["socket"].route == "tcp"
+        self.paths = tuple(p for p in config.paths
+                           if p != "fabric" or self.sides[p].route == "fabric")
+        if not self.paths:
+            raise BenchFailure(f"the fabric path needs the agent on this node; {self.agent} is "
+                               f"reached over {self.sides['fabric'].route}: use --paths socket")
+        self._open_raw()
+        self.mooncake = self._open_mooncake()
+        if "fabric" in self.paths and config.matrix:
             self.shm = ShmSegment(self.call_bytes, name="hixl-bench")
             self._stack.callback(self.shm.close)
+
+    def _open_raw(self) -> None:
+        """The raw stream peer: given (on the agent's node), or a local process."""
+        config = self.config
+        if config.raw_peer:
+            self.raw: RawPeer = RawPeer(split_host_port(config.raw_peer))
+        elif self.across_nodes and "socket" in self.paths and config.matrix:
+            raise BenchFailure(
+                f"agent {self.agent} is on another node, so the raw stream baseline must run "
+                "there too: start `python -m hixl.client.bench --raw-server --tcp IP:PORT "
+                f"--buffer {self.call_bytes} --forever` on that node and pass --raw-peer IP:PORT")
+        else:
+            self.raw = RawStreamServer(self.call_bytes, self.workdir)
+        self._stack.callback(self.raw.stop)
+        route = self.sides["socket"].route
+        self.socket_kind = route if route in self.raw.kinds else self.raw.kinds[-1]
+
+    def _open_mooncake(self) -> Any:
+        """Mooncake's TransferEngine (tcp) between the same hosts, when it is installed.
+
+        Returns the initiator, or None with the reason in `self.mooncake_info`.
+        """
+        config = self.config
+        info: dict[str, Any] = {"measured": False, "reason": ""}
+        self.mooncake_info = info
+        if config.mooncake == "off":
+            info["reason"] = "not asked for (--mooncake off)"
+            return None
+        if "socket" not in self.paths or not config.matrix:
+            info["reason"] = "the socket path's matrix is not measured in this run"
+            return None
+        from hixl.client import mooncake_baseline as mc
+
+        reason = mc.unavailable_reason()
+        remote_addr = None
+        if reason is None and not config.mooncake_peer and self.across_nodes:
+            reason = (f"agent {self.agent} is on another node and no --mooncake-peer was "
+                      "given (a Mooncake target must run on that node too)")
+        if reason is not None:
+            if config.mooncake == "on":
+                raise BenchFailure(f"Mooncake was required but cannot be measured: {reason}")
+            info["reason"] = reason
+            return None
+        self._note("starting Mooncake")
+        try:
+            if config.mooncake_peer:
+                segment = config.mooncake_peer
+            else:
+                target = mc.TargetProcess(self.local, self.call_bytes)
+                self._stack.callback(target.stop)
+                segment, remote_addr = target.segment, target.addr
+            side = self.sides["socket"]
+            initiator = mc.Initiator(self.local, segment, side.local_addr, side.local.nbytes,
+                                     remote_addr)
+        except mc.MooncakeError as exc:
+            raise BenchFailure(f"Mooncake set-up failed: {exc}") from exc
+        self._stack.callback(initiator.close)
+        info.update(measured=True, segment=segment, version=mc.version(),
+                    protocol=mc.PROTOCOL, metadata=mc.METADATA)
+        return initiator
 
     def _connect(self, engine: Any) -> None:
         """Connect, retrying briefly: a just-started agent may accept before it serves."""
@@ -543,11 +668,12 @@ class Bench:
     def run(self) -> dict[str, Any]:
         config = self.config
         grid = [(block, batch) for block in config.sizes for batch in config.batches_for(block)]
-        per_grid = ((2 + len(config.ops) if "fabric" in config.paths else 0)
-                    + (2 * len(config.ops) if "socket" in config.paths else 0)
-                    + len(config.paths) * len(config.ops) * len(config.modes))
+        socket_baselines = len(self.raw.kinds) + (self.mooncake is not None)
+        per_grid = ((2 + len(config.ops) if "fabric" in self.paths else 0)
+                    + (socket_baselines * len(config.ops) if "socket" in self.paths else 0)
+                    + len(self.paths) * len(config.ops) * len(config.modes))
         self._steps = (len(grid) * per_grid if config.matrix else 0) + (
-            len(config.paths) * len(config.ops) if config.hixl_style else 0)
+            len(self.paths) * len(config.ops) if config.hixl_style else 0)
         if config.matrix:
             for block, batch in grid:
                 self._run_grid_point(block, batch)
@@ -561,12 +687,15 @@ class Bench:
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                      "python": platform.python_version()},
             "config": {**asdict(config), "paths": list(config.paths)},
-            "paths": {path: {"route": side.route}
-                      for path, side in self.sides.items()},
+            "local": self.local,
+            "across_nodes": self.across_nodes,
+            "paths": {path: {"route": self.sides[path].route} for path in self.paths},
             "socket_baseline": f"raw-{self.socket_kind}",
+            "raw_peer": "{}:{}".format(*self.raw.tcp),
+            "mooncake": self.mooncake_info,
             "cells": self.cells,
             "hixl_style": hixl_style,
-            "targets": evaluate_targets(self.cells),
+            "targets": evaluate_targets(self.cells, across_nodes=self.across_nodes),
             "verified": all(cell.get("verified", True) for cell in self.cells + hixl_style),
         }
 
@@ -578,7 +707,7 @@ class Bench:
         """
         config = self.config
         label = f"{human_size(block)} x{batch}"
-        fabric = "fabric" in config.paths
+        fabric = "fabric" in self.paths
         baselines: dict[str, dict[str, Any]] = {}
         memcpy_runs: list[dict[str, Any]] = []
         if fabric:
@@ -587,13 +716,16 @@ class Bench:
             for op in config.ops:
                 self._advance(f"memcpy-shm {op} {label}")
                 baselines[f"memcpy-shm/{op}"] = self._memcpy_shm_cell(op, block, batch)
-        if "socket" in config.paths:
+        if "socket" in self.paths:
             for op in config.ops:
-                for kind in ("unix", "tcp"):
+                for kind in self.raw.kinds:
                     self._advance(f"raw-{kind} {op} {label}")
                     baselines[f"raw-{kind}/{op}"] = self._raw_cell(kind, op, block, batch)
+                if self.mooncake is not None:
+                    self._advance(f"mooncake {op} {label}")
+                    baselines[f"mooncake/{op}"] = self._mooncake_cell(op, block, batch)
         cells = []
-        for path in config.paths:
+        for path in self.paths:
             for op in config.ops:
                 for mode in config.modes:
                     self._advance(f"{path} {op} {mode} {label}")
@@ -610,8 +742,14 @@ class Bench:
                 _compare(cell, "memcpy", memcpy)
                 cell["shm_ratio"] = _ratio(cell, baselines[f"memcpy-shm/{cell['op']}"])
             else:
-                kind = self.socket_kind if self.socket_kind in ("unix", "tcp") else "unix"
+                kind = self.socket_kind
                 _compare(cell, f"raw-{kind}", baselines[f"raw-{kind}/{cell['op']}"])
+                mooncake = baselines.get(f"mooncake/{cell['op']}")
+                if mooncake is not None and cell["mode"] == "sync":
+                    cell.update(mooncake_gbps=mooncake["gbps"],
+                                mooncake_p50_us=mooncake["p50_us"],
+                                vs_mooncake=_ratio(cell, mooncake),
+                                vs_mooncake_p50=_ratio(cell, mooncake, "p50_gbps"))
 
     def _record(self, cell: dict[str, Any]) -> dict[str, Any]:
         self.cells.append(cell)
@@ -651,6 +789,19 @@ class Bench:
         finally:
             client.close()
         return self._record({"kind": "baseline", "name": f"raw-{kind}", "path": "socket",
+                             "op": op, "mode": "sync", "block": block, "batch": batch,
+                             **timing.summary(block * batch, batch)})
+
+    def _mooncake_cell(self, op: str, block: int, batch: int) -> dict[str, Any]:
+        """Mooncake's TransferEngine moving the same blocks from the same local buffer."""
+        from hixl.client.mooncake_baseline import MooncakeError
+
+        call = self.mooncake.call(op, self.sides["socket"].local_addr, block, batch)
+        try:
+            timing = time_sync(call, self.config)
+        except MooncakeError as exc:
+            raise BenchFailure(f"mooncake {op} {human_size(block)} x{batch}: {exc}") from exc
+        return self._record({"kind": "baseline", "name": "mooncake", "path": "socket",
                              "op": op, "mode": "sync", "block": block, "batch": batch,
                              **timing.summary(block * batch, batch)})
 
@@ -739,14 +890,14 @@ class Bench:
 
         block, count = self.config.hixl_block, self.config.hixl_transfers
         results = []
-        for path in self.config.paths:
+        for path in self.paths:
             for op in self.config.ops:
                 self._advance(f"hixl-style {path} {op}")
                 side = self.sides[path]
                 transfer_op = OPS[op]
                 windows = sample_windows(block, 1)
                 expected = self._prepare(side, transfer_op, windows)
-                with Engine("127.0.0.1", {"EnableUseFabricMem": PATH_OPTION[path]}) as engine:
+                with Engine(self.local, {"EnableUseFabricMem": PATH_OPTION[path]}) as engine:
                     engine.connect(self.agent, timeout=5.0)
                     engine.register(side.local)
                     descs = [TransferOpDesc(side.local_addr, self.remote_base, block)]
@@ -779,8 +930,14 @@ def _compare(cell: dict[str, Any], name: str, baseline: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- targets
 
 
-def evaluate_targets(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The project's performance targets, checked against this run's cells."""
+def evaluate_targets(cells: list[dict[str, Any]], *, across_nodes: bool = False
+                     ) -> list[dict[str, Any]]:
+    """The project's performance targets, checked against this run's cells.
+
+    Across nodes the socket path must reach 0.8x the raw stream between the same hosts
+    (0.7x on one node, where the engine's extra hop through the agent weighs more), and,
+    when Mooncake was measured, 2.5x its tcp engine at 8784 KiB and 5x at 4 KiB x256.
+    """
     engine = [c for c in cells if c["kind"] == "engine"]
     targets: list[dict[str, Any]] = []
 
@@ -802,8 +959,16 @@ def evaluate_targets(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     add("fabric one 4 KiB op: p50 <= 15 us",
         [c for c in sync if c["path"] == "fabric" and c["block"] == 4 * KIB
          and c["batch"] == 1], "p50_us", 15.0, True)
-    add("socket >= 1 MiB: >= 0.7x raw stream",
-        [c for c in sync if c["path"] == "socket" and c["block"] >= MIB], "ratio_p50", 0.7, False)
+    raw_limit = 0.8 if across_nodes else 0.7
+    add(f"socket >= 1 MiB: >= {raw_limit}x raw stream" + (" (across nodes)" if across_nodes else ""),
+        [c for c in sync if c["path"] == "socket" and c["block"] >= MIB], "ratio_p50",
+        raw_limit, False)
+    vs_mooncake = [c for c in sync if c["path"] == "socket" and "vs_mooncake" in c]
+    add("socket 8784 KiB: >= 2.5x Mooncake tcp",
+        [c for c in vs_mooncake if c["block"] == HIXL_BLOCK], "vs_mooncake_p50", 2.5, False)
+    add("socket 4 KiB x256: >= 5x Mooncake tcp",
+        [c for c in vs_mooncake if c["block"] == 4 * KIB and c["batch"] == 256],
+        "vs_mooncake", 5.0, False)
     return targets
 
 
@@ -835,8 +1000,11 @@ def format_report(report: dict[str, Any]) -> str:
     out: list[str] = []
     paths = ", ".join(f"{p}: {f['route']}"
                       for p, f in report["paths"].items())
-    out.append(f"hixl bench  agent {report['agent']}  ({paths}; socket ratios vs "
-               f"{report['socket_baseline']})  {report['host']['cpus']} CPUs")
+    where = (f"across nodes, {report['local']} -> agent" if report.get("across_nodes")
+             else "agent")
+    out.append(f"hixl bench  {where} {report['agent']}  ({paths}; socket ratios vs "
+               f"{report['socket_baseline']} at {report.get('raw_peer', '?')})  "
+               f"{report['host']['cpus']} CPUs")
     cells = report["cells"]
     engine_rows = [[c["path"], c["op"], c["mode"], human_size(c["block"]), str(c["batch"]),
                     str(c["calls"]), f"{c['gbps']:.3f}", _fmt_rate(c["ops_per_s"]),
@@ -861,6 +1029,20 @@ def format_report(report: dict[str, Any]) -> str:
         out += ["", "baselines (same run)",
                 _table(["baseline", "op", "mode", "block", "batch", "calls", "GB/s", "ops/s",
                         "p50 us", "p99 us"], base_rows)]
+    mooncake = report.get("mooncake", {})
+    vs_rows = [[c["op"], human_size(c["block"]), str(c["batch"]), f"{c['gbps']:.3f}",
+                f"{c['mooncake_gbps']:.3f}", f"{c['vs_mooncake']:.2f}x",
+                f"{c['vs_mooncake_p50']:.2f}x", f"{c['p50_us']:.1f}",
+                f"{c['mooncake_p50_us']:.1f}"]
+               for c in cells if c["kind"] == "engine" and "vs_mooncake" in c]
+    if vs_rows:
+        out += ["", f"vs Mooncake TransferEngine {mooncake.get('version', '')} "
+                    f"({mooncake.get('protocol')}, {mooncake.get('metadata')}, target "
+                    f"{mooncake.get('segment')}), socket path, sync",
+                _table(["op", "block", "batch", "GB/s", "MC GB/s", "ratio", "p50 ratio",
+                        "p50 us", "MC p50 us"], vs_rows)]
+    elif mooncake and not mooncake.get("measured"):
+        out += ["", f"Mooncake: not measured: {mooncake.get('reason')}"]
     style_rows = [[h["path"], h["op"], "sync", human_size(h["block"]), str(h["calls"]),
                    f"{h['first_us']:.0f}", f"{h['mean_us']:.1f}", f"{h['p50_us']:.1f}",
                    f"{h['p99_us']:.1f}", f"{h['gbps']:.3f}"] for h in report["hixl_style"]]

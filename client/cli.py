@@ -1,4 +1,4 @@
-"""`hixl`: the user's command line. Subcommands: `bench` (more, e.g. status/segments/keys, plug in).
+"""`hixl`: the user's command line. Subcommands: `bench`, `bench-registry` (more, e.g. status/segments/keys, plug in).
 
 Each subcommand is one `add_<name>(subparsers)` function that declares its flags and sets
 `handler`; `main()` parses and dispatches, turning expected failures into an error line
@@ -75,6 +75,14 @@ def _one_size(text: str) -> int:
     return _size_list(text)[0]
 
 
+def _host_port(text: str) -> str:
+    try:
+        bench.split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 # ---------------------------------------------------------------- bench
 
 
@@ -87,7 +95,22 @@ def add_bench(subparsers: Any) -> None:
                     "p50/p99 latency per call and the ratio to the baseline. Every cell's "
                     "bytes are verified; wrong bytes abort the run.")
     p.add_argument("--agent", metavar="HOST:PORT",
-                   help="use this running agent (default: start a private hixl-agent)")
+                   help="use this running agent, possibly on another node (default: start a "
+                        "private hixl-agent here)")
+    p.add_argument("--raw-peer", metavar="HOST:PORT", type=_host_port,
+                   help="raw stream baseline server to compare with, on the agent's node "
+                        "(`python -m hixl.client.bench --raw-server --tcp HOST:PORT --buffer "
+                        "BYTES --forever`); required when the agent is on another node "
+                        "(default: start one here)")
+    p.add_argument("--local", metavar="IP",
+                   help="this side's IP for the engines (default: the one routing to the agent)")
+    p.add_argument("--mooncake", choices=("auto", "on", "off"), default=defaults.mooncake,
+                   help="measure Mooncake's TransferEngine (tcp) side by side: auto = when "
+                        "mooncake.engine imports (default), on = required, off = never")
+    p.add_argument("--mooncake-peer", metavar="IP:RPC_PORT", type=_host_port,
+                   help="segment of a Mooncake target on the agent's node (`python -m "
+                        "hixl.client.mooncake_baseline --host IP --buffer BYTES`); default: "
+                        "start one here (same node only)")
     p.add_argument("--paths", type=_choices(bench.PATHS), default=defaults.paths,
                    help="fabric,socket (default both)")
     p.add_argument("--ops", type=_choices(tuple(bench.OPS)), default=defaults.ops,
@@ -133,13 +156,20 @@ def add_bench(subparsers: Any) -> None:
     p.set_defaults(handler=run_bench_command)
 
 
-def run_bench_command(args: argparse.Namespace) -> int:
-    config = bench.BenchConfig(
+def bench_config(args: argparse.Namespace) -> bench.BenchConfig:
+    """The BenchConfig that `hixl bench` flags describe."""
+    return bench.BenchConfig(
         agent=args.agent, paths=args.paths, ops=args.ops, modes=args.modes, sizes=args.sizes,
         batches=args.batches, seconds=args.seconds, iterations=args.iterations,
         warmup=max(0, args.warmup), depth=args.depth, max_call_bytes=args.max_call_bytes,
         timeout=args.timeout, matrix=not args.hixl_style, hixl_style=not args.no_hixl_style,
-        hixl_block=args.hixl_block, hixl_transfers=args.hixl_transfers)
+        hixl_block=args.hixl_block, hixl_transfers=args.hixl_transfers,
+        raw_peer=args.raw_peer, local=args.local, mooncake=args.mooncake,
+        mooncake_peer=args.mooncake_peer)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    config = bench_config(args)
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     report = bench.run_bench(config, sys.stderr if show_progress else None)
     table_stream = sys.stderr if args.json == "-" else sys.stdout
@@ -156,13 +186,75 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- bench-registry
+
+
+def add_bench_registry(subparsers: Any) -> None:
+    from hixl.client.registry_bench import RegistryBenchConfig
+
+    defaults = RegistryBenchConfig()
+    p = subparsers.add_parser(
+        "bench-registry", help="measure the control plane: propagation, snapshot, find()",
+        description="Start a hixl-master, publish SEGMENTS segments from PUBLISHERS "
+                    "simulated agents, follow them with WATCHERS global tables (one process "
+                    "each), and measure the time from publish() to a change being visible in "
+                    "every watcher, a new watcher's snapshot time, and find() at a small "
+                    "and the full table size.")
+    p.add_argument("--publishers", type=_positive_int, default=defaults.publishers,
+                   help=f"simulated agents (default {defaults.publishers})")
+    p.add_argument("--segments", type=_positive_int, default=defaults.segments,
+                   help=f"segments in all at full size (default {defaults.segments})")
+    p.add_argument("--watchers", type=_positive_int, default=defaults.watchers,
+                   help=f"watching GlobalTables, one process each (default {defaults.watchers})")
+    p.add_argument("--changes", type=_positive_int, default=defaults.changes,
+                   help=f"changes timed one by one (default {defaults.changes})")
+    p.add_argument("--small-segments", type=_positive_int, default=defaults.small_segments,
+                   help=f"table size find() is compared at (default {defaults.small_segments})")
+    p.add_argument("--finds", type=_positive_int, default=defaults.finds,
+                   help=f"lookups timed per table size (default {defaults.finds})")
+    p.add_argument("--master", metavar="HOST:PORT", default="",
+                   help="use this running hixl-master (default: start a private one)")
+    p.add_argument("--timeout", type=_positive_float, default=defaults.timeout,
+                   help=f"deadline of every wait in seconds (default {defaults.timeout:g})")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the numbers as JSON to FILE ('-' = stdout; the table "
+                        "then goes to stderr)")
+    p.add_argument("--progress", action="store_true", help="show progress on stderr")
+    p.set_defaults(handler=run_bench_registry_command)
+
+
+def run_bench_registry_command(args: argparse.Namespace) -> int:
+    from hixl.client import registry_bench
+
+    config = registry_bench.RegistryBenchConfig(
+        publishers=args.publishers, segments=args.segments, watchers=args.watchers,
+        changes=args.changes, small_segments=args.small_segments, finds=args.finds,
+        master=args.master, timeout=args.timeout)
+    report = registry_bench.run_registry_bench(config, sys.stderr if args.progress else None)
+    _emit(registry_bench.format_registry_report(report), report, args.json)
+    return 0
+
+
+def _emit(table: str, report: dict[str, Any], json_target: str | None) -> None:
+    """Print the table, and the JSON to a file or stdout ('-': the table goes to stderr)."""
+    print(table, file=sys.stderr if json_target == "-" else sys.stdout, flush=True)
+    if not json_target:
+        return
+    text = json.dumps(report, indent=2)
+    if json_target == "-":
+        print(text, flush=True)
+    else:
+        with open(json_target, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
 # ---------------------------------------------------------------- entry point
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hixl", description="hixl command-line tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (add_bench,):
+    for add in (add_bench, add_bench_registry):
         add(subparsers)
     return parser
 

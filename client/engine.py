@@ -5,6 +5,12 @@ serves this process's registered memory to peers. Every operation is checked in 
 before any byte moves (registered local memory, remote segment bounds, permissions), so
 bad input raises a typed HixlError and changes nothing. Per op, nothing goes through
 gRPC: the fabric path memmoves into a mapping, the socket path streams to the peer agent.
+
+With a registry (`registry="host:port"` or HIXL_REGISTRY) the engine keeps a `GlobalTable`
+of the whole cluster: `connect` needs no handshake RPC (the registry already published the
+peer's endpoints and segments), and a peer's segment table is the live registry view, so
+segments allocated or dropped anywhere are seen without an RPC. Without one, `connect`
+handshakes with the peer's agent (peer-to-peer) and refreshes its table on a miss.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from hixl.auth import as_token, load_token
 from hixl.errors import (
     AlreadyConnected,
     HixlError,
     NotConnected,
     OutOfRange,
     ParamInvalid,
+    PeerUnavailable,
     PermissionDenied,
     StaleEpoch,
     TransferFailed,
@@ -44,6 +52,7 @@ from hixl.types import MemType, Perm, SegmentInfo, TransferOp, TransferOpDesc, T
 log = logging.getLogger("hixl.engine")
 
 DEFAULT_TIMEOUT_S = 1.0  # HIXL's default timeout_in_millis is 1000
+REGISTRY_ENV = "HIXL_REGISTRY"  # registry address when Engine(registry=...) is not given
 ASYNC_WORKERS = 4
 INLINE_ASYNC_BYTES = 256 << 10
 _NEED_WRITE, _NEED_READ = int(Perm.WRITE), int(Perm.READ)  # plain ints: IntFlag ops are slow  # async fabric transfers up to this size complete in the call
@@ -69,6 +78,17 @@ def parse_engine_name(name: str) -> tuple[str, int]:
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ParamInvalid(f"engine name {name!r}: port must be 0-65535")
     return host, int(port_text)
+
+
+def _agent_info(view: Any) -> Any:
+    """What a handshake would have said, from the registry's view of an engine."""
+    from hixl.client.agent_client import AgentInfo
+
+    info, ends = view.info, view.info.endpoints
+    return AgentInfo(engine=info.engine, node_id=info.node_id,
+                     fabric_domain=ends.fabric_domain, epoch=info.epoch,
+                     data_tcp=ends.data_tcp, data_unix=ends.data_unix,
+                     fd_socket=ends.fd_socket, segments=view.segments())
 
 
 def _check_op(op: Any) -> TransferOp:
@@ -118,6 +138,7 @@ class _Peer:
     socket: SocketTransport | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     hint: SegmentInfo | None = None  # the segment the last transfer ended in
+    view: Any | None = None  # the GlobalTable EngineView `table` came from (registry mode)
 
 
 class TransferRequest:
@@ -163,10 +184,18 @@ class Engine:
     """Pythonic hixl engine: exceptions, context manager, buffers accepted for addresses."""
 
     def __init__(self, local_engine: str, options: MappingABC[str, str] | None = None, *,
-                 agent_config: Any | None = None) -> None:
+                 agent_config: Any | None = None, registry: str | None = None,
+                 cluster_token: str | bytes | None = None) -> None:
+        """`cluster_token`: proves this engine to agents that require one (and is required
+        by its embedded agent); None takes agent_config.cluster_token_file, else
+        $HIXL_CLUSTER_TOKEN or the file $HIXL_CLUSTER_TOKEN_FILE names, else none."""
         self.options = EngineOptions.parse(options)
+        self._cluster_token = as_token(cluster_token) if cluster_token is not None else \
+            load_token(getattr(agent_config, "cluster_token_file", "") or None)
         self.host, self.port = parse_engine_name(local_engine)
         self.name = local_engine
+        self.registry = registry if registry is not None else os.environ.get(REGISTRY_ENV) or None
+        self._global: Any | None = None  # GlobalTable, with a registry
         self._local: AddressTable[MemHandle] = AddressTable()
         self._local_hint: tuple[int, int, bool] = (0, 0, False)  # region the last transfer used
         self._handles: dict[tuple[int, int], MemHandle] = {}
@@ -176,9 +205,18 @@ class Engine:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._server: Any | None = None
-        if self.port > 0 or agent_config is not None:
-            self._server = self._start_embedded_agent(agent_config)
-            self.name = self._server.engine_name
+        if self.registry:
+            from hixl.client.global_table import GlobalTable
+
+            self._global = GlobalTable(self.registry, cluster_token=self._cluster_token)
+        try:
+            if self.port > 0 or agent_config is not None:
+                self._server = self._start_embedded_agent(agent_config)
+                self.name = self._server.engine_name
+        except BaseException:
+            if self._global is not None:
+                self._global.close()
+            raise
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -186,8 +224,10 @@ class Engine:
         from hixl.server.config import AgentConfig
         from hixl.server.runtime import AgentServer
 
-        config = agent_config or AgentConfig(host=self.host, grpc_port=self.port)
-        server = AgentServer(config)
+        # with a registry, the embedded agent publishes there, so every engine sees it
+        config = agent_config or AgentConfig(host=self.host, grpc_port=self.port,
+                                             master=self.registry or "")
+        server = AgentServer(config, cluster_token=self._cluster_token)
         server.start()
         return server
 
@@ -221,6 +261,8 @@ class Engine:
             self._pool.shutdown(wait=True, cancel_futures=True)
         if self._server is not None:
             self._server.stop()
+        if self._global is not None:
+            self._global.close()
         for segment in self._malloced.values():
             with contextlib.suppress(BufferError):  # still viewed: freed with its last view
                 segment.close()
@@ -342,7 +384,11 @@ class Engine:
     # ------------------------------------------------------------------ peers
 
     def connect(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        """Handshake with a remote engine's agent and cache its address table."""
+        """Set up the data paths to a remote engine.
+
+        With a registry that lists `remote`, its published endpoints and live segment
+        table are used (no RPC); otherwise handshake with its agent and cache its table.
+        """
         self._check_open()
         parse_engine_name(remote)
         with self._lock:
@@ -356,33 +402,110 @@ class Engine:
             self._peers[remote] = peer
 
     def _open_peer(self, remote: str, timeout: float) -> _Peer:
-        from hixl.client.agent_client import AgentClient, FdClient
+        from hixl.client.agent_client import AgentClient
 
         if timeout <= 0:
             raise ParamInvalid(f"timeout must be positive, got {timeout}")
-        client = AgentClient(remote, timeout=timeout)
-        try:
-            info = client.handshake(self.name, timeout=timeout)
-        except BaseException:
-            client.close()
-            raise
-        table: AddressTable[SegmentInfo] = AddressTable()
-        for segment in info.segments:
-            table.insert(segment.base, segment.length, segment)
-        fabric = None
-        fd_client = None
-        local_node = self._server.agent.node_id if self._server is not None else None
-        if self.options.fabric_mem and info.fd_socket and os.path.exists(info.fd_socket) and (
-                local_node is None or local_node == info.node_id):
+        client = AgentClient(remote, timeout=timeout, cluster_token=self._cluster_token)  # no RPC until used
+        view = self._registry_view(remote, timeout)
+        if view is not None:
+            info = _agent_info(view)
+            table = view.table  # the live view: replaced, never mutated, by the watch
+        else:
             try:
-                fd_client = FdClient(info.fd_socket, timeout=timeout)
-            except HixlError as exc:
-                log.info("fabric path to %s unavailable (%s); using the socket path", remote, exc)
-            else:
-                fabric = FabricTransport(remote, fd_client.fetch, fd_client.alive)
-        socket_address = (f"unix://{info.data_unix}" if info.data_unix and os.path.exists(info.data_unix)
+                info = client.handshake(self.name, timeout=timeout)
+            except BaseException:
+                client.close()
+                raise
+            table = AddressTable()
+            for segment in info.segments:
+                table.insert(segment.base, segment.length, segment)
+        fabric = None
+        fd_client = self._same_node_fd_client(remote, info, timeout)
+        same_node = fd_client is not None
+        if fd_client is not None and self.options.fabric_mem:
+            fabric = FabricTransport(remote, fd_client.fetch, fd_client.alive)
+        elif fd_client is not None:
+            fd_client.close()
+            fd_client = None
+        socket_address = (f"unix://{info.data_unix}"
+                          if same_node and info.data_unix and os.path.exists(info.data_unix)
                           else f"tcp://{info.data_tcp}")
-        return _Peer(remote, info, client, table, info.epoch, fabric, fd_client, socket_address)
+        return _Peer(remote, info, client, table, info.epoch, fabric, fd_client, socket_address,
+                     view=view)
+
+    def _same_node_fd_client(self, remote: str, info: Any, timeout: float) -> Any | None:
+        """The fd socket of `remote`'s agent when that agent runs on this node, else None.
+
+        The published socket paths exist here for *any* agent of this node with the same
+        runtime dir and port -- every node runs its agent at /run/hixl/agent-50161.* -- so
+        the agent answering at the path must say it is the one handshaken with (engine name
+        and epoch); otherwise it is this node's own agent, and only TCP reaches `remote`.
+        """
+        from hixl.client.agent_client import FdClient
+
+        local_node = self._server.agent.node_id if self._server is not None else None
+        if not info.fd_socket or not os.path.exists(info.fd_socket) or (
+                local_node is not None and local_node != info.node_id):
+            return None
+        try:
+            fd_client = FdClient(info.fd_socket, timeout=timeout)
+        except HixlError as exc:
+            log.info("same-node paths to %s unavailable (%s); using TCP", remote, exc)
+            return None
+        try:
+            reply = fd_client.ping()
+        except HixlError as exc:
+            reply = {"error": str(exc)}
+        if reply.get("engine") != info.engine or reply.get("epoch") != info.epoch:
+            log.info("%s is another agent (%s), not %s epoch %s: %s is on another node; "
+                     "using TCP", info.fd_socket, reply, info.engine, info.epoch, remote)
+            fd_client.close()
+            return None
+        return fd_client
+
+    def _registry_view(self, remote: str, timeout: float) -> Any | None:
+        """The registry's view of `remote` if it published its endpoints, else None (P2P).
+
+        Waits (at most `timeout`) only for the first snapshot after the engine started.
+        """
+        if self._global is None:
+            return None
+        if self._global.resyncs == 0:  # later outages keep the last view: no waiting
+            self._global.wait_synced(timeout)
+        view = self._global.view(remote)
+        if view is None or not view.info.endpoints.data_tcp:
+            log.debug("registry %s does not list %s with endpoints; handshaking",
+                      self.registry, remote)
+            return None
+        return view
+
+    def _follow_view(self, peer: _Peer) -> None:
+        """Registry mode: take the peer's current view (no RPC), or say why it is unusable."""
+        assert self._global is not None
+        view = self._global.view(peer.name)
+        if view is peer.view:
+            return
+        if view is None:
+            raise PeerUnavailable(
+                f"{peer.name} is gone: the registry {self.registry} no longer lists it (its "
+                "lease expired or it shut down); reconnect once it is back")
+        if view.epoch != peer.epoch:
+            raise StaleEpoch(f"{peer.name} restarted (epoch {peer.epoch} -> {view.epoch}); its "
+                             "old addresses are void: disconnect() and connect() again")
+        peer.view, peer.table, peer.hint = view, view.table, None
+
+    def engines(self) -> dict[str, Any]:
+        """Engine name -> EngineInfo (epoch, endpoints) of every engine the registry lists."""
+        if self._global is None:
+            raise NotConnected(f"engine {self.name} has no registry: pass registry='host:port' "
+                               f"or set {REGISTRY_ENV} to list the cluster's engines")
+        return self._global.engines()
+
+    @property
+    def global_table(self) -> Any | None:
+        """The GlobalTable this engine follows (None without a registry)."""
+        return self._global
 
     def disconnect(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Drop the connection, its mappings and data channels."""
@@ -412,13 +535,24 @@ class Engine:
         return peer
 
     def segments(self, remote: str, refresh: bool = True) -> list[SegmentInfo]:
-        """The remote engine's segments (base, length, perms, ...), fetched afresh by default."""
+        """The remote engine's segments (base, length, perms, ...), current by default.
+
+        With a registry this is its live view (no RPC, no connection needed); without one
+        the table is fetched from the remote agent.
+        """
+        if self._global is not None and remote not in self._peers:
+            view = self._global.view(remote)
+            if view is not None:
+                return view.segments()
         peer = self._peer(remote)
         if refresh:
             self._refresh(peer)
         return [segment for _, _, segment in peer.table]
 
     def _refresh(self, peer: _Peer) -> None:
+        if peer.view is not None:
+            self._follow_view(peer)  # the watch keeps the table current: no RPC
+            return
         epoch, segments = peer.client.list_segments()
         if epoch != peer.epoch:
             raise StaleEpoch(f"{peer.name} restarted (epoch {peer.epoch} -> {epoch}); its old "
@@ -432,6 +566,8 @@ class Engine:
     def route(self, remote: str, remote_addr: int) -> str:
         """The data path an op on `remote_addr` of `remote` takes: "fabric", "unix" or "tcp"."""
         peer = self._peer(remote)
+        if peer.view is not None:
+            self._follow_view(peer)
         _, segment = peer.table.find(remote_addr, 1, "remote address")
         if peer.fabric is not None and segment.shareable:
             return "fabric"
@@ -443,6 +579,12 @@ class Engine:
         peer = self._peer(remote)
         perms = Perm.parse(perms) if isinstance(perms, str) else Perm(perms)
         segment = peer.client.allocate(size, perms, name, self.name)
+        if peer.view is not None:
+            # read-your-writes: usable as soon as this returns, once the registry has it
+            assert self._global is not None
+            self._global.wait_for(lambda table: segment in table.segments(remote),
+                                  peer.client.timeout)
+            return segment
         with peer.lock:
             peer.table.insert(segment.base, segment.length, segment)
         return segment
@@ -452,8 +594,8 @@ class Engine:
         peer = self._peer(remote)
         peer.client.deregister(segment.segment_id, segment.epoch)
         with peer.lock:
-            if peer.table.get(segment.base) is not None:
-                peer.table.remove(segment.base)
+            if peer.view is None and peer.table.get(segment.base) is not None:
+                peer.table.remove(segment.base)  # the registry view is the watch's to change
             peer.hint = None
 
     # ------------------------------------------------------------------ transfers
@@ -490,7 +632,8 @@ class Engine:
         if peer.socket is None:
             with peer.lock:
                 if peer.socket is None:
-                    peer.socket = SocketTransport(peer.socket_address, identity=self.name)
+                    peer.socket = SocketTransport(peer.socket_address, identity=self.name,
+                                                  cluster_token=self._cluster_token)
         return peer.socket
 
     def _resolve(self, peer: _Peer, op: TransferOp, descs: Sequence[Any]) -> tuple[list[Item], list[Item]]:
@@ -503,6 +646,8 @@ class Engine:
         if type(descs) is not list and type(descs) is not tuple and (
                 not isinstance(descs, Sequence) or isinstance(descs, str | bytes)) or not descs:
             raise ParamInvalid("op_descs must be a non-empty sequence of TransferOpDesc")
+        if peer.view is not None:
+            self._follow_view(peer)
         fabric_items: list[Item] = []
         socket_items: list[Item] = []
         writing = op == TransferOp.WRITE

@@ -22,6 +22,7 @@ from hixl.errors import (
     TIMEOUT,
     UNSUPPORTED,
     AlreadyConnected,
+    AuthenticationFailed,
     HixlError,
     NotConnected,
     OutOfRange,
@@ -87,5 +88,5 @@ __all__ = [
     "Engine", "Hixl", "TransferRequest",
     "HixlError", "ParamInvalid", "OutOfRange", "PermissionDenied", "TransferTimeout",
     "NotConnected", "AlreadyConnected", "Unsupported", "ResourceExhausted", "TransferFailed",
-    "PeerUnavailable", "StaleEpoch",
+    "PeerUnavailable", "StaleEpoch", "AuthenticationFailed",
 ]

@@ -3,19 +3,27 @@
 A HixlError raised inside an agent crosses gRPC as a status code plus two trailing
 metadata entries ("hixl-status", "hixl-error"), so the client can raise the very same
 exception class with the same HIXL status, instead of a generic RPC failure.
+
+Cluster-token authentication of gRPC (hixl.auth) lives here too: `TokenInterceptor`
+makes a server refuse, with UNAUTHENTICATED, every call that does not prove the token;
+`authenticated_channel` makes a client channel prove it on every call.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import logging
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
-from hixl import errors
+from hixl import auth, errors
 from hixl.errors import (
+    AuthenticationFailed,
     HixlError,
     NotConnected,
     ParamInvalid,
@@ -28,11 +36,14 @@ from hixl.errors import (
 from hixl.types import MemType, Perm, SegmentInfo
 from hixl.v1 import agent_pb2
 
+log = logging.getLogger("hixl.auth")
+
 STATUS_KEY = "hixl-status"
 ERROR_KEY = "hixl-error"
 
 # The most specific class wins: check subclasses before their bases.
 _CODE_BY_TYPE: tuple[tuple[type[HixlError], grpc.StatusCode], ...] = (
+    (AuthenticationFailed, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (ParamInvalid, grpc.StatusCode.INVALID_ARGUMENT),  # includes OutOfRange, ConfigError
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -42,6 +53,7 @@ _CODE_BY_TYPE: tuple[tuple[type[HixlError], grpc.StatusCode], ...] = (
 
 # What a bare gRPC status means when no hixl metadata came with it (e.g. from a proxy).
 _TYPE_BY_CODE: dict[grpc.StatusCode, type[HixlError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationFailed,
     grpc.StatusCode.INVALID_ARGUMENT: ParamInvalid,
     grpc.StatusCode.OUT_OF_RANGE: ParamInvalid,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
@@ -141,6 +153,92 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> HixlError:
         return PeerUnavailable(f"{what}: call cancelled ({details})")
     cls = _TYPE_BY_CODE.get(code, HixlError)
     return cls(f"{what}: {code.name if code else 'UNKNOWN'}: {details}")
+
+
+# ---------------------------------------------------------------- cluster token
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Server side: every call must carry a valid `hixl-auth` proof, else UNAUTHENTICATED.
+
+    The refusal happens before the method's handler runs (nothing is deserialized or
+    executed) and says why (missing, wrong token, clock skew, replay) but never which
+    bytes of a proof differ. Health and watch streams are no exception.
+    """
+
+    def __init__(self, token: bytes, verifier: auth.GrpcVerifier | None = None) -> None:
+        self.verifier = verifier or auth.GrpcVerifier(token)
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails],
+                                         Awaitable[grpc.RpcMethodHandler | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = _text(handler_call_details.method)
+        presented = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == auth.METADATA_KEY:
+                presented = value
+                break
+        why = self.verifier.verify(method, presented)
+        handler = await continuation(handler_call_details)
+        if why is None:
+            return handler
+        return _refusal(handler, method, why)
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, method: str,
+             why: str) -> grpc.RpcMethodHandler:
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        log.warning("refused %s from %s: %s", method, context.peer(), why)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why, trailing_metadata=(
+            (STATUS_KEY, str(AuthenticationFailed.status)),
+            (ERROR_KEY, AuthenticationFailed.__name__)))
+
+    if handler is not None and handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+class _CallDetails(
+        collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                "wait_for_ready", "compression")),
+        grpc.ClientCallDetails):
+    pass
+
+
+class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor,
+                              grpc.UnaryStreamClientInterceptor):
+    """Client side: adds a fresh `hixl-auth` proof (new nonce, current time) to each call."""
+
+    def __init__(self, token: bytes) -> None:
+        self._token = token
+
+    def _with_proof(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        proof = auth.make_grpc_proof(self._token, _text(details.method))
+        metadata = [*(details.metadata or ()), (auth.METADATA_KEY, proof)]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
+                              request: Any) -> Any:
+        return continuation(self._with_proof(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
+                               request: Any) -> Any:
+        return continuation(self._with_proof(client_call_details), request)
+
+
+def authenticated_channel(channel: grpc.Channel, token: bytes | None) -> grpc.Channel:
+    """`channel`, proving `token` on every call; unchanged when there is no token.
+
+    Close the original channel, not this wrapper's result, to release it.
+    """
+    if token is None:
+        return channel
+    return grpc.intercept_channel(channel, _TokenClientInterceptor(token))
 
 
 # ---------------------------------------------------------------- identity

@@ -109,6 +109,10 @@ class StaleEpoch(TransferFailed):
     """The remote agent restarted: handles from before the restart are refused."""
 
 
+class AuthenticationFailed(TransferFailed):
+    """The peer refused our cluster token (wrong or missing), or failed to prove its own."""
+
+
 _BY_STATUS: dict[int, type[HixlError]] = {
     PARAM_INVALID: ParamInvalid,
     TIMEOUT: TransferTimeout,

@@ -7,10 +7,13 @@ instead of a hang; the watch stream pings the server so a vanished master ends i
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
-from hixl.control import error_from_rpc, segment_from_pb, segment_to_pb
+from hixl.auth import as_token
+from hixl.control import authenticated_channel, error_from_rpc, segment_from_pb, segment_to_pb
 from hixl.errors import ParamInvalid
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
@@ -21,31 +24,150 @@ CLIENT_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # A restarted master is found within 2 s, not after gRPC's default 2-minute back-off.
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    # A whole-cluster QuerySegments reply outgrows gRPC's default 4 MiB limit.
+    ("grpc.max_receive_message_length", 256 << 20),
 ]
 
 _KIND_NAMES = {value: name for name, value in agent_pb2.SegmentEvent.Kind.items()}
 
 
-class RegistryClient:
-    """publish / keepalive / unpublish / query / watch against one registry server."""
+@dataclass(frozen=True)
+class EngineEndpoints:
+    """Where an engine's agent serves, published with its segments so peers need no handshake.
 
-    def __init__(self, target: str, *, timeout: float = 5.0) -> None:
+    All empty means "not published": the engine must be reached by a Handshake RPC.
+    """
+
+    fabric_domain: str = ""
+    data_tcp: str = ""
+    data_unix: str = ""
+    fd_socket: str = ""
+
+
+NO_ENDPOINTS = EngineEndpoints()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine as the registry knows it: identity, epoch (changes on restart), endpoints."""
+
+    engine: str
+    node_id: str
+    epoch: int
+    endpoints: EngineEndpoints = NO_ENDPOINTS
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One event of a registry watch.
+
+    kind: "SNAPSHOT" (the whole table: `segments`, and `engines` on a membership watch),
+    "ADDED"/"REMOVED" (segments of one engine), "ENGINE_UP"/"ENGINE_DOWN" (`engines[0]`).
+    """
+
+    kind: str
+    epoch: int
+    segments: list[SegmentInfo]
+    engines: list[EngineInfo]
+
+
+def endpoints_to_pb(endpoints: EngineEndpoints) -> agent_pb2.Endpoints:
+    return agent_pb2.Endpoints(
+        fabric_domain=endpoints.fabric_domain, data_tcp=endpoints.data_tcp,
+        data_unix=endpoints.data_unix, fd_socket=endpoints.fd_socket)
+
+
+def endpoints_from_pb(pb: agent_pb2.Endpoints) -> EngineEndpoints:
+    return EngineEndpoints(fabric_domain=pb.fabric_domain, data_tcp=pb.data_tcp,
+                           data_unix=pb.data_unix, fd_socket=pb.fd_socket)
+
+
+def engine_info_to_pb(info: EngineInfo) -> agent_pb2.EngineInfo:
+    return agent_pb2.EngineInfo(engine=info.engine, node_id=info.node_id, epoch=info.epoch,
+                                endpoints=endpoints_to_pb(info.endpoints))
+
+
+def engine_info_from_pb(pb: agent_pb2.EngineInfo) -> EngineInfo:
+    return EngineInfo(engine=pb.engine, node_id=pb.node_id, epoch=pb.epoch,
+                      endpoints=endpoints_from_pb(pb.endpoints))
+
+
+class RegistryWatch:
+    """A registry watch stream: iterate WatchEvents; `close()` from any thread ends it.
+
+    A SNAPSHOT split over several messages (`more`) is joined here, so callers always
+    see one whole snapshot. Errors leave as typed HixlErrors (PeerUnavailable when the
+    registry goes away, ResourceExhausted when it dropped this watcher for lagging).
+    """
+
+    def __init__(self, call: Any, what: str) -> None:
+        self._call = call
+        self._what = what
+        self._closed = False
+
+    def __iter__(self) -> RegistryWatch:
+        return self
+
+    def __next__(self) -> WatchEvent:
+        segments: list[SegmentInfo] = []
+        engines: list[EngineInfo] = []
+        while True:
+            if self._closed:
+                raise StopIteration
+            try:
+                pb = next(self._call)
+            except grpc.RpcError as exc:
+                if self._closed:
+                    raise StopIteration from None
+                raise error_from_rpc(exc, self._what) from None
+            segments.extend(segment_from_pb(s) for s in pb.segments)
+            engines.extend(engine_info_from_pb(e) for e in pb.engines)
+            if not pb.more:
+                return WatchEvent(_KIND_NAMES.get(pb.kind, str(pb.kind)), pb.epoch,
+                                  segments, engines)
+
+    def close(self) -> None:
+        self._closed = True
+        self._call.cancel()
+
+    def __enter__(self) -> RegistryWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RegistryClient:
+    """publish / keepalive / unpublish / query / watch against one registry server.
+
+    With a `cluster_token`, every call proves it (hixl.auth), as a registry with a token
+    requires.
+    """
+
+    def __init__(self, target: str, *, timeout: float = 5.0,
+                 cluster_token: str | bytes | None = None) -> None:
         if timeout <= 0:
             raise ParamInvalid(f"registry client timeout must be positive, got {timeout}")
         self.target = target
         self.timeout = timeout
         self._channel = grpc.insecure_channel(target, options=CLIENT_KEEPALIVE_OPTIONS)
-        self._stub = agent_pb2_grpc.RegistryStub(self._channel)
+        self._stub = agent_pb2_grpc.RegistryStub(
+            authenticated_channel(self._channel, as_token(cluster_token)))
 
     def _deadline(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else timeout
 
     def publish(self, engine: str, node_id: str, epoch: int, segments: Sequence[SegmentInfo],
-                ttl_ms: int, timeout: float | None = None) -> int:
-        """Publish `engine`'s whole table under a lease; returns the lease id."""
+                ttl_ms: int, timeout: float | None = None, *,
+                endpoints: EngineEndpoints | None = None) -> int:
+        """Publish `engine`'s whole table (and where it serves) under a lease; returns the lease id."""
         request = agent_pb2.PublishRequest(
             engine=engine, node_id=node_id, epoch=epoch, ttl_ms=ttl_ms,
             segments=[segment_to_pb(s) for s in segments])
+        if endpoints is not None:
+            request.endpoints.CopyFrom(endpoints_to_pb(endpoints))
         try:
             reply = self._stub.Publish(request, timeout=self._deadline(timeout))
         except grpc.RpcError as exc:
@@ -72,12 +194,19 @@ class RegistryClient:
 
     def query(self, engine: str = "", timeout: float | None = None) -> list[SegmentInfo]:
         """Segments of one engine ("" = every engine)."""
+        return [segment_from_pb(pb) for pb in self._query(engine, timeout).segments]
+
+    def query_engines(self, engine: str = "", timeout: float | None = None,
+                      ) -> list[EngineInfo]:
+        """Live engines with their epochs and endpoints (one engine, or "" = all)."""
+        return [engine_info_from_pb(pb) for pb in self._query(engine, timeout).engines]
+
+    def _query(self, engine: str, timeout: float | None) -> agent_pb2.QuerySegmentsReply:
         try:
-            reply = self._stub.QuerySegments(agent_pb2.QuerySegmentsRequest(engine=engine),
-                                             timeout=self._deadline(timeout))
+            return self._stub.QuerySegments(agent_pb2.QuerySegmentsRequest(engine=engine),
+                                            timeout=self._deadline(timeout))
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, f"query of registry {self.target}") from None
-        return [segment_from_pb(pb) for pb in reply.segments]
 
     def watch(self, timeout: float | None = None,
               ) -> Iterator[tuple[str, int, list[SegmentInfo]]]:
@@ -87,15 +216,21 @@ class RegistryClient:
         a dead master still ends it through the channel's keepalive pings. Closing the
         iterator (or the client) cancels the stream.
         """
-        call = self._stub.Watch(agent_pb2.WatchRegistryRequest(), timeout=timeout)
-        try:
-            for event in call:
-                yield (_KIND_NAMES.get(event.kind, str(event.kind)), event.epoch,
-                       [segment_from_pb(pb) for pb in event.segments])
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"watch of registry {self.target}") from None
-        finally:
-            call.cancel()
+        with self.open_watch(engines=False, timeout=timeout) as stream:
+            for event in stream:
+                yield event.kind, event.epoch, event.segments
+
+    def open_watch(self, *, engines: bool = True, timeout: float | None = None,
+                   ) -> RegistryWatch:
+        """A watch stream of WatchEvents: SNAPSHOT first, then changes as they happen.
+
+        `engines` asks for membership too (engines in the SNAPSHOT, ENGINE_UP/ENGINE_DOWN
+        events). No deadline unless `timeout` is given; keepalive pings end the stream
+        when the registry vanishes. `close()` on the result cancels it from any thread.
+        """
+        call = self._stub.Watch(agent_pb2.WatchRegistryRequest(engines=engines),
+                                timeout=timeout)
+        return RegistryWatch(call, f"watch of registry {self.target}")
 
     def close(self) -> None:
         self._channel.close()

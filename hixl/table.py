@@ -76,6 +76,16 @@ class AddressTable(Generic[T]):
         self._last = None
         return value
 
+    def copy(self) -> AddressTable[T]:
+        """An independent table with the same ranges, in O(n) (no re-validation).
+
+        Lets a writer change a copy and publish it while readers keep using the old one
+        without a lock (the global table's copy-on-write views).
+        """
+        twin: AddressTable[T] = AddressTable()
+        twin._bases, twin._ends, twin._values = self._bases[:], self._ends[:], self._values[:]
+        return twin
+
     def clear(self) -> None:
         self._bases.clear()
         self._ends.clear()

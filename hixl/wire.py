@@ -6,7 +6,15 @@ memory, discard it, send a reply, or close — after checking everything before 
 moves: handshake done, known segment, live epoch, permission, bounds. The client side
 encodes requests and checks that replies match what was asked, in order (pipelining).
 
-Frame = header, then `length` payload bytes for HELLO, WRITE and non-empty REPLY frames.
+Frame = header, then `length` payload bytes for HELLO, AUTH, WRITE and non-empty REPLY
+frames.
+
+Handshake: HELLO (payload: the client's name) comes first. Without a cluster token the
+reply is a plain OK carrying the agent's epoch. With one, the reply is a CHALLENGE (flag
+FLAG_CHALLENGE, payload: a fresh server nonce); the client answers with AUTH (payload:
+its own nonce, then HMAC proof of the token, see hixl.auth) and the agent replies OK with
+the epoch and its own proof, or refuses (NOT_AUTHENTICATED) and closes. No other frame is
+served before that.
 
     magic u16 | version u8 | opcode u8 | flags u16 | reason u16 | status u32 | epoch u32
     request_id u64 | segment_id u64 | addr u64 | length u64          (network byte order)
@@ -20,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hixl import errors
+from hixl import auth, errors
 from hixl.types import Perm
 
 HEADER = struct.Struct("!HBBHHIIQQQQ")
@@ -31,6 +39,8 @@ MAX_PAYLOAD = 64 << 20  # senders split larger ops into frames of at most this s
 MAX_HELLO = 4096
 MAX_ERROR_TEXT = 4096
 FLAG_ERROR_TEXT = 1  # a REPLY whose payload is a UTF-8 error message
+FLAG_CHALLENGE = 2  # a HELLO reply whose payload is the server nonce: send AUTH next
+AUTH_PAYLOAD = auth.NONCE_SIZE + auth.PROOF_SIZE  # client nonce, then client proof
 
 
 class Op(enum.IntEnum):
@@ -39,6 +49,7 @@ class Op(enum.IntEnum):
     READ = 3
     REPLY = 4
     PING = 5
+    AUTH = 6
 
 
 class Reason(enum.IntEnum):
@@ -114,7 +125,7 @@ _OPCODES = frozenset(int(op) for op in Op)
 
 def payload_length(header: Header) -> int:
     """How many payload bytes follow this header on the stream."""
-    if header.opcode in (Op.WRITE, Op.HELLO, Op.REPLY):
+    if header.opcode in (Op.WRITE, Op.HELLO, Op.REPLY, Op.AUTH):
         return header.length
     return 0
 
@@ -122,13 +133,19 @@ def payload_length(header: Header) -> int:
 # Hot-path constants: plain ints, since every enum attribute access costs ~0.1 us and
 # the per-op code below runs once per frame.
 _pack = HEADER.pack
-_HELLO, _WRITE, _READ, _REPLY, _PING = (int(op) for op in (Op.HELLO, Op.WRITE, Op.READ,
-                                                            Op.REPLY, Op.PING))
+_HELLO, _WRITE, _READ, _REPLY, _PING, _AUTH = (
+    int(op) for op in (Op.HELLO, Op.WRITE, Op.READ, Op.REPLY, Op.PING, Op.AUTH))
 _PERM_READ, _PERM_WRITE = int(Perm.READ), int(Perm.WRITE)
 
 
 def hello(request_id: int, identity: bytes = b"") -> bytes:
     return _pack(MAGIC, VERSION, _HELLO, 0, 0, 0, 0, request_id, 0, 0, len(identity)) + identity
+
+
+def auth_frame(request_id: int, client_nonce: bytes, proof: bytes) -> bytes:
+    """AUTH: the client's nonce and its proof of the cluster token (hixl.auth)."""
+    payload = client_nonce + proof
+    return _pack(MAGIC, VERSION, _AUTH, 0, 0, 0, 0, request_id, 0, 0, len(payload)) + payload
 
 
 def write_header(request_id: int, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
@@ -194,7 +211,7 @@ class Send:
 
 @dataclass(slots=True)
 class ReadHello:
-    """Read `count` bytes of handshake payload, then pass them to `on_hello`."""
+    """Read `count` bytes of handshake payload (HELLO or AUTH), then pass them to `on_hello`."""
 
     count: int
     request_id: int
@@ -213,13 +230,22 @@ Resolver = Callable[[int], ServedSegment | None]
 
 
 class ServerProtocol:
-    """One data connection, server side. Feed headers; execute the actions returned."""
+    """One data connection, server side. Feed headers; execute the actions returned.
 
-    def __init__(self, resolve: Resolver, epoch: int) -> None:
+    With a cluster `token`, the connection is `authenticated` only after a valid AUTH;
+    without one, right after HELLO (authentication off).
+    """
+
+    def __init__(self, resolve: Resolver, epoch: int, token: bytes | None = None) -> None:
         self._resolve = resolve
         self.epoch = epoch
+        self._token = token
         self.authenticated = False
         self.peer_identity = ""
+        self._identity = b""
+        self._server_nonce: bytes | None = None  # set by HELLO when a token is required
+        #: the connection was refused for want of authentication (wrong, missing token)
+        self.auth_refused = False
 
     def on_header(self, raw: bytes | bytearray | memoryview) -> Action:
         try:
@@ -232,10 +258,19 @@ class ServerProtocol:
             if header.length > MAX_HELLO:
                 msg = f"handshake payload of {header.length} bytes exceeds {MAX_HELLO}"
                 return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
+            if self._server_nonce is not None or (self._token and self.authenticated):
+                msg = "HELLO sent twice"
+                return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
             return ReadHello(header.length, rid)
+        if op == _AUTH:
+            return self._on_auth_header(header)
         if not self.authenticated:
-            msg = f"{Op(op).name} before handshake: send HELLO first"
-            return Close(error_reply(rid, Reason.NOT_AUTHENTICATED, msg), msg)
+            if self._server_nonce is None:
+                msg = f"{Op(op).name} before handshake: send HELLO first"
+            else:
+                msg = (f"{Op(op).name} before authentication: this agent requires a cluster "
+                       "token (answer its challenge with AUTH)")
+            return self._refuse(rid, msg)
         if op == _PING:
             return Send(ok_reply(rid))
         if op == _REPLY:
@@ -262,10 +297,51 @@ class ServerProtocol:
             return ReceiveInto(window, ok_reply(rid))
         return Send(ok_reply(rid, header.length), window)
 
-    def on_hello(self, request_id: int, identity: bytes) -> Send:
+    def _on_auth_header(self, header: Header) -> Action:
+        rid = header.request_id
+        if self._token is None:
+            msg = "AUTH not expected: this agent has no cluster token"
+            return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
+        if self._server_nonce is None:
+            if self.authenticated:
+                msg = "AUTH sent twice"
+                return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
+            return self._refuse(rid, "AUTH before handshake: send HELLO first")
+        if header.length != AUTH_PAYLOAD:
+            msg = f"AUTH payload of {header.length} bytes, expected {AUTH_PAYLOAD}"
+            return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
+        return ReadHello(header.length, rid)
+
+    def _refuse(self, request_id: int, message: str) -> Close:
+        self.auth_refused = True
+        return Close(error_reply(request_id, Reason.NOT_AUTHENTICATED, message), message)
+
+    def on_hello(self, request_id: int, payload: bytes) -> Send | Close:
+        """The payload of the HELLO (the client's name) or of the AUTH that answers it."""
+        if self._server_nonce is not None:
+            return self._on_auth(request_id, payload)
+        self._identity = bytes(payload)
+        self.peer_identity = self._identity.decode("utf-8", "replace")
+        if self._token is None:
+            self.authenticated = True
+            return Send(Header(Op.REPLY, request_id, epoch=self.epoch).pack())
+        self._server_nonce = auth.new_nonce()
+        return Send(Header(Op.REPLY, request_id, length=auth.NONCE_SIZE,
+                           flags=FLAG_CHALLENGE).pack() + self._server_nonce)
+
+    def _on_auth(self, request_id: int, payload: bytes) -> Send | Close:
+        assert self._token is not None and self._server_nonce is not None
+        server_nonce, self._server_nonce = self._server_nonce, None  # one try per connection
+        client_nonce = bytes(payload[:auth.NONCE_SIZE])
+        expected = auth.data_client_proof(self._token, server_nonce, client_nonce,
+                                          self._identity)
+        if len(payload) != AUTH_PAYLOAD or not auth.proofs_equal(
+                expected, payload[auth.NONCE_SIZE:]):
+            return self._refuse(request_id, "wrong cluster token: the AUTH proof does not match")
         self.authenticated = True
-        self.peer_identity = identity.decode("utf-8", "replace")
-        return Send(Header(Op.REPLY, request_id, epoch=self.epoch).pack())
+        proof = auth.data_server_proof(self._token, client_nonce, server_nonce)
+        return Send(Header(Op.REPLY, request_id, epoch=self.epoch, length=len(proof)).pack()
+                    + proof)
 
     def _check(self, header: Header, segment: ServedSegment | None) -> tuple[Reason, str] | None:
         if segment is None:
@@ -295,6 +371,10 @@ class ClientProtocol:
     def __init__(self) -> None:
         self._next_id = 1
         self._pending: deque[tuple[int, int, int]] = deque()  # (request id, opcode, length)
+        self._identity = b""
+        self._nonces: tuple[bytes, bytes] | None = None  # (server, client) while in AUTH
+        #: the agent answered HELLO with a CHALLENGE: AUTH must follow
+        self.challenged = False
 
     @property
     def outstanding(self) -> int:
@@ -307,7 +387,33 @@ class ClientProtocol:
         return rid
 
     def hello(self, identity: bytes = b"") -> bytes:
+        self._identity = identity
         return hello(self._take_id(Op.HELLO, 0), identity)
+
+    def auth(self, token: bytes | None, server_nonce: bytes) -> bytes:
+        """AUTH answering the agent's challenge; AuthenticationFailed without a token."""
+        if token is None:
+            raise errors.AuthenticationFailed(
+                f"the agent requires a cluster token and none is configured here (set "
+                f"{auth.ENV_TOKEN} or {auth.ENV_TOKEN_FILE})")
+        if len(server_nonce) != auth.NONCE_SIZE:
+            raise ProtocolError(Reason.BAD_FRAME, "challenge of the wrong size")
+        client_nonce = auth.new_nonce()
+        self._nonces = (bytes(server_nonce), client_nonce)
+        proof = auth.data_client_proof(token, self._nonces[0], client_nonce, self._identity)
+        return auth_frame(self._take_id(Op.AUTH, auth.PROOF_SIZE), client_nonce, proof)
+
+    def check_server_proof(self, token: bytes, proof: bytes | bytearray | memoryview) -> None:
+        """Mutual authentication: AuthenticationFailed unless the agent proved the token."""
+        if self._nonces is None:
+            raise ProtocolError(Reason.BAD_FRAME, "no AUTH in flight")
+        server_nonce, client_nonce = self._nonces
+        self._nonces = None
+        if not auth.proofs_equal(auth.data_server_proof(token, client_nonce, server_nonce),
+                                 proof):
+            raise errors.AuthenticationFailed(
+                "the agent did not prove the cluster token: it holds a different one (not "
+                "a member of this cluster)")
 
     def write(self, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
         """Header of a WRITE; the caller sends `length` payload bytes right after it."""
@@ -343,7 +449,16 @@ class ClientProtocol:
         elif opcode == _READ and header.length != length:
             raise ProtocolError(Reason.BAD_FRAME,
                                 f"read reply carries {header.length} bytes, asked {length}")
-        elif opcode != _READ and header.length != 0:
+        elif opcode == _HELLO:
+            challenge = bool(header.flags & FLAG_CHALLENGE)
+            if header.length != (auth.NONCE_SIZE if challenge else 0):
+                raise ProtocolError(Reason.BAD_FRAME,
+                                    f"HELLO reply carries {header.length} bytes")
+            self.challenged = challenge
+        elif opcode == _AUTH and header.length != length:
+            raise ProtocolError(Reason.BAD_FRAME,
+                                f"AUTH reply carries {header.length} bytes, expected {length}")
+        elif opcode not in (_READ, _AUTH) and header.length != 0:
             raise ProtocolError(Reason.BAD_FRAME, "unexpected payload on a reply")
         self._pending.popleft()
         return header
@@ -359,4 +474,6 @@ def reply_error(header: Header, text: bytes) -> errors.HixlError:
         return errors.PermissionDenied(message)
     if reason == Reason.OUT_OF_RANGE:
         return errors.OutOfRange(message)
+    if reason == Reason.NOT_AUTHENTICATED:
+        return errors.AuthenticationFailed(message)
     return errors.error_for_status(header.status or errors.FAILED, message)

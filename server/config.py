@@ -260,6 +260,7 @@ class AgentConfig:
     allowed_uids: list[int] = field(default_factory=_default_uids)
     log_level: str = "INFO"
     log_json: bool = False
+    cluster_token_file: str = ""
 
     # key -> converter, documentation, type; kept beside the fields and checked to match.
     KEYS = {
@@ -304,6 +305,14 @@ class AgentConfig:
                              "the agent's uid and root.", "list[int]"),
         "log_level": _key(_as_log_level, "DEBUG, INFO (default), WARNING or ERROR.", "str"),
         "log_json": _key(_as_bool, "Log one JSON object per line instead of text.", "bool"),
+        "cluster_token_file": _key(_as_str,
+                                   "File holding the cluster token (content stripped; keep it "
+                                   "mode 0600). With a token, every gRPC call and data "
+                                   "connection must prove it (HMAC, the token never crosses "
+                                   "the wire), and publishing to the master proves it. Empty "
+                                   "(default): the token of $HIXL_CLUSTER_TOKEN or the file "
+                                   "$HIXL_CLUSTER_TOKEN_FILE names, else none (no "
+                                   "authentication).", "path"),
     }
 
     @classmethod

@@ -7,6 +7,10 @@ one system call per payload) and sends a READ's reply header and data straight o
 with no readiness round trips. Replies are gathered and flushed together before the
 thread would block, so a pipelined batch of small ops costs few system calls.
 
+Authentication: with a cluster token, a connection is served only after the HELLO /
+CHALLENGE / AUTH exchange of `hixl.wire` proved the token; a wrong or missing proof gets a
+NOT_AUTHENTICATED reply and the connection is closed before any WRITE/READ is looked at.
+
 Timeouts: an idle connection may wait for its next frame forever, but once a frame has
 begun, any stall longer than `io_timeout` (SO_RCVTIMEO / SO_SNDTIMEO) closes it.
 """
@@ -52,7 +56,7 @@ class DataServer:
     def __init__(self, resolve: Callable[[int], wire.ServedSegment | None], epoch: int, *,
                  tcp_host: str | None = "127.0.0.1", tcp_port: int = 0,
                  unix_path: str | None = None, max_connections: int = 256,
-                 io_timeout: float = 30.0) -> None:
+                 io_timeout: float = 30.0, cluster_token: bytes | None = None) -> None:
         if tcp_host is None and unix_path is None:
             raise ConfigError("data server needs a TCP host or a unix socket path")
         if unix_path is not None and not os.path.isabs(unix_path):
@@ -65,6 +69,7 @@ class DataServer:
         self._unix_inode: int | None = None
         self._max_connections = max_connections
         self._io_timeout = io_timeout
+        self._cluster_token = cluster_token
         self._listeners: list[socket.socket] = []
         self._acceptors: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -74,10 +79,11 @@ class DataServer:
         #: bytes_written / ops_write: WRITE payloads received into segments; bytes_read /
         #: ops_read: READ data sent; refused: requests answered with an error; connections:
         #: accepted in total; connections_rejected: turned away over max_connections;
-        #: protocol_errors: connections closed for a bad frame, a stall or an internal error
+        #: protocol_errors: connections closed for a bad frame, a stall or an internal error;
+        #: auth_failures: those of them refused for a wrong or missing cluster token
         self.counters: dict[str, int] = dict.fromkeys(
             ("bytes_written", "bytes_read", "ops_write", "ops_read", "refused", "connections",
-             "connections_rejected", "protocol_errors"), 0)
+             "connections_rejected", "protocol_errors", "auth_failures"), 0)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -227,7 +233,7 @@ class DataServer:
             timeval = struct.pack("ll", seconds, int((self._io_timeout - seconds) * 1e6))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-            _Connection(self, sock).run()
+            _Connection(self, sock, peer).run()
         except (_PeerGone, ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
             log.debug("data connection from %s closed by the peer", peer)
         except _Stalled as exc:
@@ -245,10 +251,11 @@ class DataServer:
 class _Connection:
     """The frame loop of one connection (runs in its own thread)."""
 
-    def __init__(self, server: DataServer, sock: socket.socket) -> None:
+    def __init__(self, server: DataServer, sock: socket.socket, peer: object = "") -> None:
         self.server = server
         self.sock = sock
-        self.proto = wire.ServerProtocol(server._resolve, server._epoch)
+        self.peer = peer
+        self.proto = wire.ServerProtocol(server._resolve, server._epoch, server._cluster_token)
         self.header = memoryview(bytearray(wire.HEADER_SIZE))
         self.have = 0  # header bytes already read (with the previous frame's payload)
         self.replies: list[Buffer] = []  # gathered, not yet sent
@@ -292,23 +299,37 @@ class _Connection:
                 self._discard(action.count)
                 replies.append(action.reply)
                 counts["refused"] += 1
-            elif kind is wire.ReadHello:
-                identity = bytearray(action.count)
-                self._recv_exact(memoryview(identity))
-                replies.append(proto.on_hello(action.request_id, bytes(identity)).reply)
+            elif kind is wire.ReadHello:  # HELLO or AUTH payload
+                payload = bytearray(action.count)
+                self._recv_exact(memoryview(payload))
+                answer = proto.on_hello(action.request_id, bytes(payload))
+                if type(answer) is wire.Close:
+                    self._close(answer)
+                    return
+                replies.append(answer.reply)
             else:  # wire.Close
                 assert isinstance(action, wire.Close)
-                self.server._count("protocol_errors")
-                log.debug("closing data connection (%s): %s", proto.peer_identity or "anonymous",
-                          action.reason)
-                if action.reply is not None:
-                    replies.append(action.reply)
-                with contextlib.suppress(OSError, _Stalled):
-                    self._flush()
-                    self._drain_before_close()
+                self._close(action)
                 return
             if len(replies) >= _FLUSH_BUFFERS or self.reply_bytes >= _FLUSH_BYTES:
                 self._flush()
+
+    def _close(self, action: wire.Close) -> None:
+        """Send the refusal (if any), drain what the peer already sent, end the connection."""
+        proto = self.proto
+        self.server._count("protocol_errors")
+        if proto.auth_refused:
+            self.server._count("auth_failures")
+            log.info("refused data connection from %s (%s): %s", self.peer,
+                     proto.peer_identity or "anonymous", action.reason)
+        else:
+            log.debug("closing data connection (%s): %s", proto.peer_identity or "anonymous",
+                      action.reason)
+        if action.reply is not None:
+            self.replies.append(action.reply)
+        with contextlib.suppress(OSError, _Stalled):
+            self._flush()
+            self._drain_before_close()
 
     def _publish(self) -> None:
         server = self.server

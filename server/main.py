@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from hixl.auth import load_token
 from hixl.errors import ConfigError, HixlError
 
 
@@ -51,7 +52,7 @@ def build_agent_parser() -> argparse.ArgumentParser:
                     "--config FILE, then HIXL_AGENT_<KEY> environment variables, then flags.")
     parser.add_argument("--config", metavar="FILE", help="YAML config file")
     for key in ("host", "grpc_port", "data_port", "runtime_dir", "node_id", "master",
-                "pool_max_bytes", "lease_ttl_ms", "log_level"):
+                "pool_max_bytes", "lease_ttl_ms", "log_level", "cluster_token_file"):
         parser.add_argument("--" + key.replace("_", "-"), dest=key, metavar=key.upper(),
                             help=keys[key]["doc"])
     parser.add_argument("--pool-size", metavar="SIZE",
@@ -81,6 +82,8 @@ def agent_main(argv: list[str] | None = None) -> int:
         overrides["pool"] = [{"name": "pool", "size": args.pool_size, "perms": "rw"}]
     try:
         config = AgentConfig.load(args.config, overrides)
+        # read here, so that a missing or empty token file is a config error (exit 2)
+        token = load_token(config.cluster_token_file or None)
     except ConfigError as exc:
         print(f"hixl-agent: {exc}", file=sys.stderr)
         return 2
@@ -96,7 +99,7 @@ def agent_main(argv: list[str] | None = None) -> int:
               flush=True)
 
     try:
-        AgentServer(config).serve_forever(on_ready=announce)
+        AgentServer(config, cluster_token=token).serve_forever(on_ready=announce)
     except HixlError as exc:
         logging.getLogger("hixl.agent").error("cannot start: %s", exc)
         print(f"hixl-agent: cannot start: {exc}", file=sys.stderr)

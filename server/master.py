@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 import grpc
 import uvloop
 
+from hixl.auth import ENV_TOKEN, ENV_TOKEN_FILE, load_token
+from hixl.control import TokenInterceptor
+from hixl.errors import ConfigError
 from hixl.server.registry import (
     DEFAULT_MAX_TTL_MS,
     SERVER_KEEPALIVE_OPTIONS,
@@ -51,6 +54,7 @@ class MasterConfig:
     max_lease_ttl_ms: int = DEFAULT_MAX_TTL_MS
     log_level: str = "INFO"
     store: StoreConfig = field(default_factory=StoreConfig)
+    cluster_token_file: str = ""
 
 
 def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -103,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest lease a publisher may ask for (default %(default)s)")
     parser.add_argument("--log-level", dest="log_level", type=_log_level, default="INFO",
                         metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--cluster-token-file", dest="cluster_token_file", default="",
+                        metavar="FILE",
+                        help="file holding the cluster token: every call must prove it. "
+                             f"Default: ${ENV_TOKEN} (the token) or ${ENV_TOKEN_FILE} (a "
+                             "file); with neither, calls are not authenticated")
     store = parser.add_argument_group("mooncake store flags (recorded for the KV store)")
     defaults = StoreConfig()
     store.add_argument(*_mooncake("default_kv_lease_ttl"), dest="default_kv_lease_ttl_ms",
@@ -123,7 +132,7 @@ def parse_config(argv: list[str]) -> MasterConfig:
     args = build_parser().parse_args(argv)
     return MasterConfig(
         host=args.host, port=args.port, max_lease_ttl_ms=args.max_lease_ttl_ms,
-        log_level=args.log_level,
+        log_level=args.log_level, cluster_token_file=args.cluster_token_file,
         store=StoreConfig(
             default_kv_lease_ttl_ms=args.default_kv_lease_ttl_ms,
             eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
@@ -136,11 +145,17 @@ def _bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def serve(config: MasterConfig, stop: asyncio.Event) -> int:
-    """Serve until `stop` is set; returns the process exit code."""
+async def serve(config: MasterConfig, stop: asyncio.Event,
+                cluster_token: bytes | None = None) -> int:
+    """Serve until `stop` is set; returns the process exit code.
+
+    With a `cluster_token`, every call must prove it (hixl.auth), else UNAUTHENTICATED.
+    """
     registry = Registry(max_ttl_ms=config.max_lease_ttl_ms)
     # No SO_REUSEPORT: a second master on a taken port must fail, not share it silently.
-    server = grpc.aio.server(options=[*SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[*SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0)],
+        interceptors=[TokenInterceptor(cluster_token)] if cluster_token is not None else None)
     add_registry_service(server, registry, expire_every_s=None)
     address = _bind_address(config.host, config.port)
     try:
@@ -151,6 +166,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event) -> int:
     expiry = start_expiry(registry)
     await server.start()
     print(f"hixl-master serving {_bind_address(config.host, port)}", flush=True)
+    log.info("cluster token: %s", "required" if cluster_token is not None else
+             "none (calls are not authenticated)")
     log.info("store settings: %s", config.store)
     try:
         await stop.wait()
@@ -160,12 +177,12 @@ async def serve(config: MasterConfig, stop: asyncio.Event) -> int:
     return 0
 
 
-async def _main(config: MasterConfig) -> int:
+async def _main(config: MasterConfig, cluster_token: bytes | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    return await serve(config, stop)
+    return await serve(config, stop, cluster_token)
 
 
 def run_master(argv: list[str] | None = None) -> int:
@@ -176,7 +193,12 @@ def run_master(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return uvloop.run(_main(config))
+    try:
+        token = load_token(config.cluster_token_file or None)
+    except ConfigError as exc:
+        print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return uvloop.run(_main(config, token))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The address-table registry: the global table of published segments every engine can watch.
 
-Each engine publishes its whole segment table under a lease and keeps the lease alive;
+Each engine publishes its whole segment table, and the endpoints where its agent serves,
+under a lease and keeps the lease alive;
 when the lease expires (the agent died or was cut off) its segments disappear and
 watchers are told. A restarted agent publishes with a newer epoch, which replaces the
 old lease; an older epoch than the one held is refused, so a zombie can never overwrite
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -34,6 +35,13 @@ from hixl.errors import (
     StaleEpoch,
     TransferTimeout,
 )
+from hixl.registry_client import (
+    NO_ENDPOINTS,
+    EngineEndpoints,
+    EngineInfo,
+    endpoints_from_pb,
+    engine_info_to_pb,
+)
 from hixl.table import AddressTable, check_range
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
@@ -43,6 +51,9 @@ log = logging.getLogger("hixl.registry")
 DEFAULT_MAX_TTL_MS = 60_000
 DEFAULT_WATCH_QUEUE_LIMIT = 1024
 EXPIRE_EVERY_S = 0.1
+#: Segments per watch message: a 100k-segment SNAPSHOT goes out in pieces, each far under
+#: gRPC's 4 MiB default message limit (a Segment is ~60 bytes on the wire).
+SNAPSHOT_CHUNK = 8192
 MAX_EPOCH = (1 << 32) - 1  # the proto carries epochs as uint32
 
 #: A watch stream can sit idle for a long time; these let clients ping it (so a dead
@@ -61,16 +72,28 @@ class EventKind(enum.IntEnum):
     SNAPSHOT = 0
     ADDED = 1
     REMOVED = 2
+    ENGINE_UP = 3
+    ENGINE_DOWN = 4
+
+
+#: Kinds only membership watchers (subscribe(engines=True)) receive.
+MEMBERSHIP_KINDS = frozenset({EventKind.ENGINE_UP, EventKind.ENGINE_DOWN})
 
 
 @dataclass(frozen=True)
 class RegistryEvent:
-    """One change batch. SNAPSHOT holds the whole table (epoch 0: it spans engines);
-    ADDED/REMOVED hold one engine's segments and carry that engine's epoch."""
+    """One change batch. SNAPSHOT holds the whole table (epoch 0: it spans engines) and,
+    for membership watchers, every live engine; ADDED/REMOVED hold one engine's segments
+    and carry that engine's epoch; ENGINE_UP/ENGINE_DOWN hold one engine in `engines`.
+
+    Order per engine: a new lease is ENGINE_UP then ADDED; a restart (newer epoch) is
+    REMOVED (old epoch), ENGINE_UP, ADDED; a lease that ends is REMOVED then ENGINE_DOWN.
+    """
 
     kind: EventKind
     epoch: int
     segments: tuple[SegmentInfo, ...]
+    engines: tuple[EngineInfo, ...] = ()
 
 
 class Subscription:
@@ -81,9 +104,10 @@ class Subscription:
     fresh SNAPSHOT instead of slowing the registry down or silently missing events.
     """
 
-    def __init__(self, registry: Registry, limit: int) -> None:
+    def __init__(self, registry: Registry, limit: int, engines: bool = False) -> None:
         self._registry = registry
         self._limit = limit
+        self.engines = engines  # also wants membership (ENGINE_UP/ENGINE_DOWN) events
         self._cond = threading.Condition()
         self._events: deque[RegistryEvent] = deque()
         self._error: HixlError | None = None
@@ -189,6 +213,11 @@ class _Lease:
     deadline: float
     segments: tuple[SegmentInfo, ...]          # in base order
     table: AddressTable[SegmentInfo]
+    endpoints: EngineEndpoints = NO_ENDPOINTS
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.engine, self.node_id, self.epoch, self.endpoints)
 
 
 class Registry:
@@ -216,13 +245,18 @@ class Registry:
     # -- leases ---------------------------------------------------------------------------
 
     def publish(self, engine: str, node_id: str, epoch: int,
-                segments: Sequence[SegmentInfo], ttl_ms: int) -> int:
-        """Replace `engine`'s whole table under a lease; returns the lease id.
+                segments: Sequence[SegmentInfo], ttl_ms: int, *,
+                endpoints: EngineEndpoints | None = None) -> int:
+        """Replace `engine`'s whole table (and its endpoints) under a lease; returns the lease id.
 
         The same epoch keeps the lease (the agent's table changed); a newer epoch is a
         restart and gets a new lease, revoking the old one; an older epoch is refused.
         """
         self._check_publish_args(engine, epoch, ttl_ms)
+        endpoints = NO_ENDPOINTS if endpoints is None else endpoints
+        if not isinstance(endpoints, EngineEndpoints):
+            raise ParamInvalid(f"publish {engine!r}: endpoints must be EngineEndpoints, got "
+                               f"{type(endpoints).__name__}")
         ordered, table = self._build_table(engine, epoch, segments)
         with self._lock:
             now = self._clock()
@@ -237,17 +271,20 @@ class Registry:
             if held is not None and held.epoch == epoch:
                 lease = held
                 old_segments = lease.segments
+                announce = (lease.node_id, lease.endpoints) != (node_id, endpoints)
                 lease.node_id, lease.ttl_ms, lease.deadline = node_id, ttl_ms, deadline
-                lease.segments, lease.table = ordered, table
+                lease.segments, lease.table, lease.endpoints = ordered, table, endpoints
             else:
                 old_segments = held.segments if held is not None else ()
+                announce = True
                 if held is not None:
                     del self._leases[held.lease_id]
                 lease = _Lease(next(self._lease_ids), engine, node_id, epoch, ttl_ms,
-                               deadline, ordered, table)
+                               deadline, ordered, table, endpoints)
                 self._leases[lease.lease_id] = lease
                 self._by_engine[engine] = lease
-            self._emit_diff_locked(old_segments, held.epoch if held else epoch, ordered, epoch)
+            self._emit_diff_locked(old_segments, held.epoch if held else epoch, ordered, epoch,
+                                   lease.info if announce else None)
             return lease.lease_id
 
     def keepalive(self, lease_id: int) -> int:
@@ -297,19 +334,32 @@ class Registry:
             self._sweep_locked(self._clock())
             return {name: lease.epoch for name, lease in self._by_engine.items()}
 
+    def engine_infos(self, engine: str = "") -> list[EngineInfo]:
+        """Identity, epoch and endpoints of one live engine ("" = all), in name order."""
+        with self._lock:
+            self._sweep_locked(self._clock())
+            if engine:
+                lease = self._by_engine.get(engine)
+                return [lease.info] if lease is not None else []
+            return [self._by_engine[name].info for name in sorted(self._by_engine)]
+
     # -- watchers -------------------------------------------------------------------------
 
-    def subscribe(self) -> Subscription:
+    def subscribe(self, *, engines: bool = False) -> Subscription:
         """A new watcher whose first event is a SNAPSHOT of the whole table.
 
         The snapshot is queued under the same lock as every change, so no change is
         missed or seen twice between the snapshot and the first ADDED/REMOVED.
+        `engines` asks for membership too: the snapshot lists every live engine and
+        ENGINE_UP/ENGINE_DOWN events follow leases (so engines with no segments are seen).
         """
-        subscription = Subscription(self, self._watch_queue_limit)
+        subscription = Subscription(self, self._watch_queue_limit, engines)
         with self._lock:
             self._sweep_locked(self._clock())
+            infos = tuple(self._by_engine[name].info for name in sorted(self._by_engine)
+                          ) if engines else ()
             subscription._push(RegistryEvent(EventKind.SNAPSHOT, 0,
-                                              tuple(self._all_segments_locked())))
+                                              tuple(self._all_segments_locked()), infos))
             self._subscribers.add(subscription)
         return subscription
 
@@ -387,26 +437,35 @@ class Registry:
         del self._leases[lease.lease_id]
         del self._by_engine[lease.engine]
         self._emit_locked(EventKind.REMOVED, lease.epoch, lease.segments)
+        self._emit_locked(EventKind.ENGINE_DOWN, lease.epoch, (), (lease.info,))
 
     def _all_segments_locked(self) -> list[SegmentInfo]:
         return [segment for name in sorted(self._by_engine)
                 for segment in self._by_engine[name].segments]
 
     def _emit_diff_locked(self, old: tuple[SegmentInfo, ...], old_epoch: int,
-                          new: tuple[SegmentInfo, ...], new_epoch: int) -> None:
-        """REMOVED before ADDED, so a watcher's own address table never sees an overlap."""
+                          new: tuple[SegmentInfo, ...], new_epoch: int,
+                          announce: EngineInfo | None) -> None:
+        """REMOVED before ADDED, so a watcher's own address table never sees an overlap;
+        ENGINE_UP (a new lease, or new endpoints) between them, so a watcher knows an
+        engine's epoch and endpoints before its segments arrive."""
         old_set, new_set = set(old), set(new)
         self._emit_locked(EventKind.REMOVED, old_epoch,
                           tuple(s for s in old if s not in new_set))
+        if announce is not None:
+            self._emit_locked(EventKind.ENGINE_UP, announce.epoch, (), (announce,))
         self._emit_locked(EventKind.ADDED, new_epoch,
                           tuple(s for s in new if s not in old_set))
 
-    def _emit_locked(self, kind: EventKind, epoch: int,
-                     segments: tuple[SegmentInfo, ...]) -> None:
-        if not segments:
+    def _emit_locked(self, kind: EventKind, epoch: int, segments: tuple[SegmentInfo, ...],
+                     engines: tuple[EngineInfo, ...] = ()) -> None:
+        if not segments and not engines:
             return
-        event = RegistryEvent(kind, epoch, segments)
+        event = RegistryEvent(kind, epoch, segments, engines)
+        membership = kind in MEMBERSHIP_KINDS
         for subscription in list(self._subscribers):
+            if membership and not subscription.engines:
+                continue
             if not subscription._push(event):
                 self._subscribers.discard(subscription)
                 log.warning("dropped a registry watcher that fell behind")
@@ -416,8 +475,26 @@ class Registry:
 
 
 def event_to_pb(event: RegistryEvent) -> agent_pb2.SegmentEvent:
+    """The whole event as one message (see events_to_pb for what goes on the wire)."""
     return agent_pb2.SegmentEvent(kind=int(event.kind), epoch=event.epoch,
-                                  segments=[segment_to_pb(s) for s in event.segments])
+                                  segments=[segment_to_pb(s) for s in event.segments],
+                                  engines=[engine_info_to_pb(e) for e in event.engines])
+
+
+def events_to_pb(event: RegistryEvent, chunk: int = SNAPSHOT_CHUNK,
+                 ) -> Iterator[agent_pb2.SegmentEvent]:
+    """The event as wire messages: a big SNAPSHOT in pieces of `chunk` segments, `more` set
+    on all but the last (engines ride in the first), so no message nears gRPC's limit."""
+    if event.kind != EventKind.SNAPSHOT or len(event.segments) <= chunk:
+        yield event_to_pb(event)
+        return
+    segments = event.segments
+    for start in range(0, len(segments), chunk):
+        yield agent_pb2.SegmentEvent(
+            kind=int(event.kind), epoch=event.epoch,
+            segments=[segment_to_pb(s) for s in segments[start:start + chunk]],
+            engines=[engine_info_to_pb(e) for e in event.engines] if start == 0 else [],
+            more=start + chunk < len(segments))
 
 
 class RegistryServicer(agent_pb2_grpc.RegistryServicer):
@@ -430,8 +507,10 @@ class RegistryServicer(agent_pb2_grpc.RegistryServicer):
                       context: grpc.aio.ServicerContext) -> agent_pb2.PublishReply:
         try:
             segments = [segment_from_pb(pb) for pb in request.segments]
+            endpoints = (endpoints_from_pb(request.endpoints)
+                         if request.HasField("endpoints") else None)
             lease_id = self._registry.publish(request.engine, request.node_id, request.epoch,
-                                              segments, request.ttl_ms)
+                                              segments, request.ttl_ms, endpoints=endpoints)
         except HixlError as exc:
             await abort_with(context, exc)
             raise
@@ -459,13 +538,15 @@ class RegistryServicer(agent_pb2_grpc.RegistryServicer):
                             context: grpc.aio.ServicerContext,
                             ) -> agent_pb2.QuerySegmentsReply:
         segments = self._registry.query(request.engine)
-        return agent_pb2.QuerySegmentsReply(segments=[segment_to_pb(s) for s in segments])
+        engines = self._registry.engine_infos(request.engine)
+        return agent_pb2.QuerySegmentsReply(segments=[segment_to_pb(s) for s in segments],
+                                            engines=[engine_info_to_pb(e) for e in engines])
 
     async def Watch(self, request: agent_pb2.WatchRegistryRequest,
                     context: grpc.aio.ServicerContext,
                     ) -> AsyncIterator[agent_pb2.SegmentEvent]:
         """SNAPSHOT first, then every change, until the client goes away or falls behind."""
-        subscription = self._registry.subscribe()
+        subscription = self._registry.subscribe(engines=request.engines)
         try:
             while True:
                 try:
@@ -473,7 +554,8 @@ class RegistryServicer(agent_pb2_grpc.RegistryServicer):
                 except HixlError as exc:
                     await abort_with(context, exc)
                     raise
-                yield event_to_pb(event)
+                for message in events_to_pb(event):
+                    yield message
         finally:
             subscription.close()
 
@@ -520,6 +602,7 @@ def add_registry_service(server: grpc.aio.Server, registry: Registry, *,
 
 __all__ = [
     "EventKind", "Registry", "RegistryEvent", "RegistryServicer", "Subscription",
-    "SERVER_KEEPALIVE_OPTIONS", "add_registry_service", "event_to_pb", "expire_forever",
+    "SERVER_KEEPALIVE_OPTIONS", "add_registry_service", "event_to_pb", "events_to_pb",
+    "expire_forever",
     "start_expiry",
 ]

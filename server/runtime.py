@@ -25,8 +25,10 @@ from typing import Any
 import grpc
 import uvloop
 
+from hixl.auth import load_token
+from hixl.control import TokenInterceptor
 from hixl.errors import HixlError, ParamInvalid
-from hixl.registry_client import RegistryClient
+from hixl.registry_client import EngineEndpoints, RegistryClient
 from hixl.server.agent import Agent
 from hixl.server.config import AgentConfig
 from hixl.server.fd_server import FdServer, TicketBook, prepare_socket_path
@@ -51,14 +53,17 @@ class Publisher:
     """Keeps this agent's table published in a registry under a lease, in its own thread.
 
     Works with the in-process `Registry` and with `RegistryClient` alike (same methods).
-    Re-publishes on every change, renews the lease every ttl/3, re-publishes when the
+    Publishes the agent's endpoints with its segments, so peers reading the registry reach
+    it without a handshake. Re-publishes on every change, renews the lease every ttl/3, re-publishes when the
     lease was lost (registry restarted, lease expired); failures are logged and retried,
     never raised: an unreachable master must not take the agent down.
     """
 
-    def __init__(self, agent: Agent, registry: Any, ttl_ms: int, where: str) -> None:
+    def __init__(self, agent: Agent, registry: Any, ttl_ms: int, where: str,
+                 endpoints: EngineEndpoints | None = None) -> None:
         self._agent = agent
         self.registry = registry
+        self._endpoints = endpoints
         self._ttl_ms = ttl_ms
         self._where = where
         self._wake = threading.Event()
@@ -111,7 +116,7 @@ class Publisher:
         try:
             self._lease = self.registry.publish(
                 self._agent.engine_name, self._agent.node_id, self._agent.epoch,
-                self._agent.segments(), self._ttl_ms)
+                self._agent.segments(), self._ttl_ms, endpoints=self._endpoints)
         except BaseException:
             self._dirty = True
             raise
@@ -141,8 +146,12 @@ def _data_server_class() -> Any:
 class AgentServer:
     """One agent: gRPC + data server + fd socket + registry publishing + pool."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, *, cluster_token: bytes | None = None) -> None:
+        """`cluster_token` None: the token of config.cluster_token_file, else of the
+        HIXL_CLUSTER_TOKEN[_FILE] environment, else none (authentication off)."""
         self.config = config
+        self._cluster_token = cluster_token if cluster_token is not None else load_token(
+            config.cluster_token_file or None)
         self.engine_name = ""
         self.agent: Agent | None = None
         self.endpoints: Endpoints | None = None
@@ -249,7 +258,9 @@ class AgentServer:
     async def _astart(self) -> None:
         cfg = self.config
         os.makedirs(cfg.runtime_dir, mode=0o755, exist_ok=True)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        token = self._cluster_token
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(
+            [TokenInterceptor(token)] if token is not None else None))
         self._grpc = server
         address = f"{cfg.host}:{cfg.grpc_port}"
         try:
@@ -271,7 +282,8 @@ class AgentServer:
             prepare_socket_path(unix_data)
         data_server_cls = _data_server_class()
         self._data = data_server_cls(agent.resolve, agent.epoch, tcp_host=cfg.host,
-                                     tcp_port=cfg.data_port, unix_path=unix_data)
+                                     tcp_port=cfg.data_port, unix_path=unix_data,
+                                     cluster_token=token)
         self._data.start()
         if unix_data:
             self._sockets.append(unix_data)
@@ -292,8 +304,11 @@ class AgentServer:
         registry_target = self._wire_registry(server)
         await server.start()
         if registry_target is not None:
+            published = EngineEndpoints(
+                fabric_domain=agent.node_id, data_tcp=self.endpoints.data_tcp,
+                data_unix=self.endpoints.data_unix, fd_socket=self.endpoints.fd_socket)
             self.publisher = Publisher(agent, registry_target[0], cfg.lease_ttl_ms,
-                                       registry_target[1])
+                                       registry_target[1], published)
             self.publisher.start()
         log.info("agent %s serving: data=%s unix=%s fd=%s epoch=%d node=%s registry=%s",
                  self.engine_name, self.endpoints.data_tcp, self.endpoints.data_unix or "-",
@@ -303,7 +318,7 @@ class AgentServer:
         """(registry-like object, description) to publish to, or None without a registry."""
         cfg = self.config
         if cfg.master:
-            return RegistryClient(cfg.master), f"master {cfg.master}"
+            return RegistryClient(cfg.master, cluster_token=self._cluster_token), f"master {cfg.master}"
         try:
             from hixl.server.registry import Registry, add_registry_service
         except ImportError as exc:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hixl.auth import load_token
 from hixl.client.agent_client import AgentClient, AgentInfo
 
 READY_PREFIX = "hixl-agent serving "
@@ -115,7 +116,9 @@ def agent_process() -> Iterator[Callable[..., AgentProcess]]:
         started.append((proc, workdir, None))
         line = wait_ready(proc, log_path, timeout)
         engine = parse_ready(line)["engine"]
-        with AgentClient(engine, timeout=10.0) as client:
+        # the agent's own token resolution: its cluster_token_file, else the environment
+        token = load_token(settings.get("cluster_token_file") or None, clean_env(env))
+        with AgentClient(engine, timeout=10.0, cluster_token=token) as client:
             info = client.handshake("pytest")
         return AgentProcess(proc, engine, info, runtime_dir=settings["runtime_dir"],
                             log_path=log_path, config_path=config_path, ready_line=line)
@@ -131,3 +134,27 @@ def agent_process() -> Iterator[Callable[..., AgentProcess]]:
         if proc.stdout is not None:
             proc.stdout.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def netns() -> Iterator[Callable[[int], Any]]:
+    """Factory for clusters of simulated hosts (tests/netns.py), torn down after the module.
+
+        cluster = netns(3)   # 3 hosts: own netns, hostname, /tmp, /dev/shm, /run, pids
+
+    Skips when namespaces cannot be made here (not root, no `ip`/`unshare`), except with
+    CI=true, where the test fails instead: in CI these tests must run.
+    """
+    import netns as harness  # tests/netns.py
+
+    harness.require()
+    clusters: list[harness.Cluster] = []
+
+    def make(n: int) -> harness.Cluster:
+        cluster = harness.Cluster(n)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.close()

@@ -318,7 +318,7 @@ def test_reply_error_maps_reasons_to_exceptions() -> None:
     assert isinstance(error_of(Reason.OUT_OF_RANGE), errors.OutOfRange)
     assert type(error_of(Reason.UNKNOWN_SEGMENT)) is errors.ParamInvalid
     assert type(error_of(Reason.BAD_LENGTH)) is errors.ParamInvalid
-    assert type(error_of(Reason.NOT_AUTHENTICATED)) is errors.TransferFailed
+    assert type(error_of(Reason.NOT_AUTHENTICATED)) is errors.AuthenticationFailed
     assert type(error_of(Reason.INTERNAL)) is errors.TransferFailed
 
 
@@ -383,3 +383,192 @@ def test_client_refuses_unsolicited_replies() -> None:
     client.on_reply_header(wire.ok_reply(rid))
     with pytest.raises(ProtocolError, match="unsolicited"):
         client.on_reply_header(wire.ok_reply(rid))
+
+
+# ---------------------------------------------------------------- cluster-token handshake
+
+TOKEN = b"cluster-secret-0123456789"
+
+
+def secured_server(*segments: ServedSegment, token: bytes = TOKEN) -> ServerProtocol:
+    table = {seg.segment_id: seg for seg in segments}
+    return ServerProtocol(table.get, epoch=3, token=token)
+
+
+def feed(server: ServerProtocol, frame: bytes) -> wire.Action:
+    """Give the server one whole frame: its header, then its handshake payload if asked."""
+    action = server.on_header(frame[:HEADER_SIZE])
+    if isinstance(action, ReadHello):
+        assert action.count == len(frame) - HEADER_SIZE
+        return server.on_hello(action.request_id, frame[HEADER_SIZE:])
+    return action
+
+
+def challenge_of(server: ServerProtocol, client: wire.ClientProtocol,
+                 identity: bytes = b"peer") -> bytes:
+    """HELLO -> CHALLENGE; the client has checked the reply, returns the server nonce."""
+    answer = feed(server, client.hello(identity))
+    assert isinstance(answer, Send) and answer.payload is None
+    header = client.on_reply_header(answer.reply[:HEADER_SIZE])
+    assert header.flags & wire.FLAG_CHALLENGE and client.challenged
+    assert header.epoch == 0  # the epoch is told only to authenticated clients
+    nonce = answer.reply[HEADER_SIZE:]
+    assert len(nonce) == wire.payload_length(header) == 16
+    return nonce
+
+
+def authenticate(server: ServerProtocol, token: bytes = TOKEN) -> wire.ClientProtocol:
+    client = wire.ClientProtocol()
+    nonce = challenge_of(server, client)
+    answer = feed(server, client.auth(token, nonce))
+    assert isinstance(answer, Send)
+    header = client.on_reply_header(answer.reply[:HEADER_SIZE])
+    assert header.status == errors.SUCCESS and header.epoch == 3
+    client.check_server_proof(token, answer.reply[HEADER_SIZE:])
+    return client
+
+
+def test_token_handshake_authenticates_both_sides_then_serves() -> None:
+    seg = make_segment()
+    server = secured_server(seg)
+    client = authenticate(server)
+    assert server.authenticated and not server.auth_refused
+    assert server.peer_identity == "peer"
+    action = server.on_header(client.write(1, EPOCH, BASE, 8))
+    assert isinstance(action, ReceiveInto) and len(action.target) == 8
+
+
+def test_wrong_token_is_refused_and_closes() -> None:
+    seg = make_segment()
+    server = secured_server(seg)
+    client = wire.ClientProtocol()
+    nonce = challenge_of(server, client)
+    refusal = feed(server, client.auth(b"not-the-token", nonce))
+    assert isinstance(refusal, Close) and refusal.reply is not None
+    assert_refused(refusal.reply, Reason.NOT_AUTHENTICATED, "wrong cluster token")
+    assert not server.authenticated and server.auth_refused
+    header, text = parse_reply(refusal.reply)
+    assert isinstance(wire.reply_error(header, text), errors.AuthenticationFailed)
+    assert bytes(seg.memory) == bytes(SIZE)
+
+
+def test_a_refused_connection_gets_no_second_try() -> None:
+    server = secured_server()
+    client = wire.ClientProtocol()
+    nonce = challenge_of(server, client)
+    assert isinstance(feed(server, client.auth(b"guess-1", nonce)), Close)
+    # even the right proof for that nonce is refused now: one AUTH per connection
+    again = feed(server, client.auth(TOKEN, nonce))
+    assert isinstance(again, Close) and not server.authenticated
+
+
+def test_a_replayed_proof_is_refused_on_a_new_connection() -> None:
+    first = secured_server()
+    client = wire.ClientProtocol()
+    nonce = challenge_of(first, client)
+    recorded = client.auth(TOKEN, nonce)  # a valid AUTH frame, as seen on the wire
+    assert isinstance(feed(first, recorded), Send) and first.authenticated
+    second = secured_server()
+    other_nonce = challenge_of(second, wire.ClientProtocol())
+    assert other_nonce != nonce  # a fresh challenge per connection
+    replay = feed(second, recorded)
+    assert isinstance(replay, Close) and replay.reply is not None
+    assert_refused(replay.reply, Reason.NOT_AUTHENTICATED, "wrong cluster token")
+    assert not second.authenticated
+
+
+def test_a_proof_for_another_identity_is_refused() -> None:
+    server = secured_server()
+    client = wire.ClientProtocol()
+    nonce = challenge_of(server, client, identity=b"decode-0")
+    liar = wire.ClientProtocol()
+    liar.hello(b"prefill-7")  # the proof binds the name sent in HELLO
+    assert isinstance(feed(server, liar.auth(TOKEN, nonce)), Close)
+
+
+@pytest.mark.parametrize("frame", [
+    wire.write_header(2, 1, EPOCH, BASE, 8) + bytes(8),
+    wire.read_request(2, 1, EPOCH, BASE, 8),
+    Header(Op.PING, 2).pack(),
+])
+def test_frames_before_auth_are_refused(frame: bytes) -> None:
+    seg = make_segment()
+    server = secured_server(seg)
+    challenge_of(server, wire.ClientProtocol())
+    action = server.on_header(frame[:HEADER_SIZE])
+    assert isinstance(action, Close) and action.reply is not None
+    assert_refused(action.reply, Reason.NOT_AUTHENTICATED, "requires a cluster token")
+    assert server.auth_refused and not server.authenticated
+    assert bytes(seg.memory) == bytes(SIZE)
+
+
+def test_a_client_without_token_cannot_answer_the_challenge() -> None:
+    server = secured_server()
+    client = wire.ClientProtocol()
+    nonce = challenge_of(server, client)
+    with pytest.raises(errors.AuthenticationFailed, match="requires a cluster token"):
+        client.auth(None, nonce)
+    # and a tokenless client that just carries on is refused by the server
+    refused = server.on_header(client.write(1, EPOCH, BASE, 8))
+    assert isinstance(refused, Close) and not server.authenticated
+
+
+def test_auth_out_of_place_closes() -> None:
+    proof = wire.auth_frame(1, bytes(16), bytes(32))
+    before_hello = secured_server()
+    action = feed(before_hello, proof)
+    assert isinstance(action, Close) and action.reply is not None
+    assert_refused(action.reply, Reason.NOT_AUTHENTICATED, "HELLO")
+    twice = secured_server()
+    authenticate(twice)
+    action = feed(twice, proof)
+    assert isinstance(action, Close) and action.reply is not None
+    assert_refused(action.reply, Reason.BAD_FRAME, "twice")
+    no_token = make_server()  # authentication off: AUTH is not part of the protocol
+    action = feed(no_token, proof)
+    assert isinstance(action, Close) and action.reply is not None
+    assert_refused(action.reply, Reason.BAD_FRAME, "no cluster token")
+
+
+def test_auth_of_the_wrong_size_and_hello_twice_close() -> None:
+    server = secured_server()
+    challenge_of(server, wire.ClientProtocol())
+    action = server.on_header(Header(Op.AUTH, 2, length=wire.AUTH_PAYLOAD + 1).pack())
+    assert isinstance(action, Close) and action.reply is not None
+    assert_refused(action.reply, Reason.BAD_LENGTH, str(wire.AUTH_PAYLOAD))
+    server = secured_server()
+    challenge_of(server, wire.ClientProtocol())
+    action = server.on_header(wire.hello(2, b"again")[:HEADER_SIZE])
+    assert isinstance(action, Close) and not server.authenticated
+
+
+def test_client_checks_the_agent_proof() -> None:
+    """An impostor agent (any other token) can accept our AUTH but cannot prove the token."""
+    impostor = secured_server(token=b"some-other-token")
+    client = wire.ClientProtocol()
+    nonce = challenge_of(impostor, client)
+    rid = wire.decode_header(client.auth(TOKEN, nonce)[:HEADER_SIZE]).request_id
+    fake = Header(Op.REPLY, rid, epoch=3, length=32).pack() + bytes(range(32))
+    client.on_reply_header(fake[:HEADER_SIZE])
+    with pytest.raises(errors.AuthenticationFailed, match="did not prove"):
+        client.check_server_proof(TOKEN, fake[HEADER_SIZE:])
+
+
+def test_a_client_with_token_works_with_an_agent_without_one() -> None:
+    server = make_server(hello=False)
+    client = wire.ClientProtocol()
+    answer = feed(server, client.hello(b"me"))
+    assert isinstance(answer, Send)
+    header = client.on_reply_header(answer.reply)
+    assert not client.challenged and header.epoch == 3 and server.authenticated
+
+
+@pytest.mark.parametrize("reply, words", [
+    (Header(Op.REPLY, 1, length=16).pack(), "HELLO reply carries 16"),  # no challenge flag
+    (Header(Op.REPLY, 1, length=8, flags=wire.FLAG_CHALLENGE).pack(), "HELLO reply carries 8"),
+])
+def test_client_refuses_malformed_challenges(reply: bytes, words: str) -> None:
+    client = wire.ClientProtocol()
+    client.hello(b"me")
+    with pytest.raises(ProtocolError, match=words):
+        client.on_reply_header(reply)

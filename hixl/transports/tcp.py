@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
-from hixl import wire
+from hixl import auth, wire
 from hixl.errors import (
+    AuthenticationFailed,
     HixlError,
     NotConnected,
     ParamInvalid,
@@ -313,7 +314,8 @@ class SocketTransport(Transport):
     """Client of one remote agent's data port (TCP, or a unix socket on the same node)."""
 
     def __init__(self, address: str, *, identity: str = "", connect_timeout: float = 5.0,
-                 max_connections: int = 4, frame_limit: int = wire.MAX_PAYLOAD) -> None:
+                 max_connections: int = 4, frame_limit: int = wire.MAX_PAYLOAD,
+                 cluster_token: str | bytes | None = None) -> None:
         self.name, self._family, self._sockaddr = parse_address(address)
         if max_connections < 1:
             raise ParamInvalid(f"max_connections must be >= 1, got {max_connections}")
@@ -323,6 +325,7 @@ class SocketTransport(Transport):
         self._identity = identity.encode("utf-8")
         if len(self._identity) > wire.MAX_HELLO:
             raise ParamInvalid(f"identity is {len(self._identity)} bytes, at most {wire.MAX_HELLO}")
+        self._token = auth.as_token(cluster_token)  # proven when the agent asks (hixl.auth)
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
         self._frame_limit = frame_limit
@@ -464,7 +467,12 @@ class SocketTransport(Transport):
         return conn
 
     def _connect(self, deadline: float) -> _Connection:
-        """Open a stream and do the HELLO, within the deadline and connect_timeout."""
+        """Open a stream and do the handshake, within the deadline and connect_timeout.
+
+        HELLO; if the agent answers with a challenge, AUTH with the cluster token and check
+        the agent's own proof (mutual). An agent without a token does not challenge: a
+        client with one still connects.
+        """
         limit = min(deadline, time.monotonic() + self._connect_timeout)
         timeout_error: type[HixlError] = (TransferTimeout if limit == deadline
                                           else PeerUnavailable)
@@ -487,19 +495,35 @@ class SocketTransport(Transport):
                 reason = "connection refused (no agent listening there)"
             raise PeerUnavailable(f"cannot connect to {self.address}: {reason}") from None
         conn = _Connection(sock)
-        frames = [_Frame(-1, conn.proto.hello(self._identity), None, None)]  # identity included
+        challenge = bytearray(auth.NONCE_SIZE)  # filled only if the agent asks for the token
+        frames = [_Frame(-1, conn.proto.hello(self._identity), None, memoryview(challenge))]
         try:
             refusals = conn.exchange(frames, limit)
+            if not refusals and conn.proto.challenged:
+                proof = bytearray(auth.PROOF_SIZE)
+                frames = [_Frame(-1, conn.proto.auth(self._token, bytes(challenge)), None,
+                                 memoryview(proof))]
+                refusals = conn.exchange(frames, limit)
+                if not refusals:
+                    assert self._token is not None
+                    conn.proto.check_server_proof(self._token, proof)
         except _StreamLost as lost:
             conn.close()
             cls = timeout_error if lost.kind == "timeout" else PeerUnavailable
             raise cls(f"handshake with {self.address} failed: {lost}") from None
+        except AuthenticationFailed as exc:
+            conn.close()
+            raise AuthenticationFailed(f"data port {self.address}: {exc.args[0]}") from None
         except BaseException:
             conn.close()
             raise
         if refusals:
             conn.close()
-            raise refusals[0][1]
+            error = refusals[0][1]
+            if isinstance(error, AuthenticationFailed):
+                raise AuthenticationFailed(f"data port {self.address} refused this client: "
+                                           f"{error.args[0]}")
+            raise error
         log.debug("data connection to %s open", self.address)
         return conn
 

@@ -78,22 +78,30 @@ class WatchSegmentsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentEvent(_message.Message):
-    __slots__ = ("kind", "epoch", "segments")
+    __slots__ = ("kind", "epoch", "segments", "engines", "more")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         SNAPSHOT: _ClassVar[SegmentEvent.Kind]
         ADDED: _ClassVar[SegmentEvent.Kind]
         REMOVED: _ClassVar[SegmentEvent.Kind]
+        ENGINE_UP: _ClassVar[SegmentEvent.Kind]
+        ENGINE_DOWN: _ClassVar[SegmentEvent.Kind]
     SNAPSHOT: SegmentEvent.Kind
     ADDED: SegmentEvent.Kind
     REMOVED: SegmentEvent.Kind
+    ENGINE_UP: SegmentEvent.Kind
+    ENGINE_DOWN: SegmentEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     kind: SegmentEvent.Kind
     epoch: int
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, kind: _Optional[_Union[SegmentEvent.Kind, str]] = ..., epoch: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    more: bool
+    def __init__(self, kind: _Optional[_Union[SegmentEvent.Kind, str]] = ..., epoch: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class AllocateSegmentRequest(_message.Message):
     __slots__ = ("size", "perms", "name", "owner")
@@ -174,19 +182,45 @@ class StatsReply(_message.Message):
     counters: _containers.ScalarMap[str, int]
     def __init__(self, counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
+class Endpoints(_message.Message):
+    __slots__ = ("fabric_domain", "data_tcp", "data_unix", "fd_socket")
+    FABRIC_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    DATA_TCP_FIELD_NUMBER: _ClassVar[int]
+    DATA_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FD_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    fabric_domain: str
+    data_tcp: str
+    data_unix: str
+    fd_socket: str
+    def __init__(self, fabric_domain: _Optional[str] = ..., data_tcp: _Optional[str] = ..., data_unix: _Optional[str] = ..., fd_socket: _Optional[str] = ...) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("engine", "node_id", "epoch", "endpoints")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    node_id: str
+    epoch: int
+    endpoints: Endpoints
+    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ...) -> None: ...
+
 class PublishRequest(_message.Message):
-    __slots__ = ("engine", "node_id", "epoch", "ttl_ms", "segments")
+    __slots__ = ("engine", "node_id", "epoch", "ttl_ms", "segments", "endpoints")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     engine: str
     node_id: str
     epoch: int
     ttl_ms: int
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    endpoints: Endpoints
+    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ...) -> None: ...
 
 class PublishReply(_message.Message):
     __slots__ = ("lease_id", "ttl_ms")
@@ -225,11 +259,15 @@ class QuerySegmentsRequest(_message.Message):
     def __init__(self, engine: _Optional[str] = ...) -> None: ...
 
 class QuerySegmentsReply(_message.Message):
-    __slots__ = ("segments",)
+    __slots__ = ("segments", "engines")
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
 
 class WatchRegistryRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("engines",)
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    engines: bool
+    def __init__(self, engines: _Optional[bool] = ...) -> None: ...

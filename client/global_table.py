@@ -1,0 +1,281 @@
+"""`GlobalTable`: one engine's live copy of the cluster's address table, kept by a watch.
+
+One daemon thread holds one registry watch stream (hixl-master, or any agent's embedded
+registry): a SNAPSHOT, then ADDED/REMOVED and ENGINE_UP/ENGINE_DOWN as they happen. So an
+engine knows every peer's segments, epoch and endpoints without an RPC per operation or
+per connect. When the stream breaks (registry restarted, network cut) the thread
+reconnects with back-off and resyncs from a fresh SNAPSHOT; meanwhile the last view
+stays readable (`synced` is False), since the data path itself reports dead peers.
+
+Readers never wait for the thread: each engine's view is copy-on-write (the thread
+builds a new `EngineView` per change and swaps it in), so a lookup is a dict read plus a
+bisect on an immutable table, with no lock. `wait_for` is the one call that blocks, and
+it has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from hixl.errors import HixlError, NotConnected, OutOfRange, ParamInvalid
+from hixl.registry_client import EngineEndpoints, EngineInfo, RegistryClient, WatchEvent
+from hixl.table import AddressTable
+from hixl.types import SegmentInfo
+
+log = logging.getLogger("hixl.global_table")
+
+BACKOFF_FIRST_S = 0.05
+BACKOFF_MAX_S = 1.0
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One engine as the table sees it now. Never changed once published: a change makes
+    a new view, so a reader holding one sees a consistent table."""
+
+    info: EngineInfo
+    table: AddressTable[SegmentInfo]
+
+    @property
+    def epoch(self) -> int:
+        return self.info.epoch
+
+    def segments(self) -> list[SegmentInfo]:
+        """Its segments in address order."""
+        return [segment for _, _, segment in self.table]
+
+
+class GlobalTable:
+    """The registry's table, mirrored in this process by a watch stream."""
+
+    def __init__(self, registry: str, *, timeout: float = 5.0,
+                 backoff_max: float = BACKOFF_MAX_S,
+                 cluster_token: str | bytes | None = None) -> None:
+        """`cluster_token`: proves this watcher to a registry that requires one."""
+        if not isinstance(registry, str) or not registry:
+            raise ParamInvalid(f"registry must be 'host:port', got {registry!r}")
+        if not timeout > 0 or not backoff_max > 0:
+            raise ParamInvalid(f"timeout and backoff_max must be positive, got {timeout}, "
+                               f"{backoff_max}")
+        self.registry = registry
+        self._token = cluster_token
+        self._timeout = timeout
+        self._backoff_max = backoff_max
+        self._views: dict[str, EngineView] = {}   # replaced, never mutated: copy-on-write
+        self._changed = threading.Condition()
+        self._version = 0
+        self._resyncs = 0
+        self._synced = False
+        self._stop = threading.Event()
+        self._watch_lock = threading.Lock()
+        self._watch: object | None = None           # the open RegistryWatch, for close()
+        self._thread = threading.Thread(target=self._run, name="hixl-global-table",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def version(self) -> int:
+        """Bumped once per change applied (each event, each snapshot)."""
+        return self._version
+
+    @property
+    def resyncs(self) -> int:
+        """How many SNAPSHOTs were applied (1 after the first sync, +1 per reconnect)."""
+        return self._resyncs
+
+    @property
+    def synced(self) -> bool:
+        """True while the watch stream is up and its snapshot applied."""
+        return self._synced
+
+    def engines(self) -> dict[str, EngineInfo]:
+        """Engine name -> identity, epoch and endpoints, for every engine with a live lease."""
+        return {name: view.info for name, view in self._views.items()}
+
+    def view(self, engine: str) -> EngineView | None:
+        """The engine's current view (None when the registry does not list it)."""
+        return self._views.get(engine)
+
+    def segments(self, engine: str = "") -> list[SegmentInfo]:
+        """One engine's segments in address order ("" = every engine's, by engine name)."""
+        views = self._views
+        if engine:
+            view = views.get(engine)
+            return view.segments() if view is not None else []
+        return [segment for name in sorted(views) for segment in views[name].segments()]
+
+    def __len__(self) -> int:
+        """Segments in the table, all engines together."""
+        return sum(len(view.table) for view in self._views.values())
+
+    def find(self, engine: str, addr: int, length: int) -> SegmentInfo:
+        """The segment of `engine` wholly holding [addr, addr+length): O(log n), no RPC.
+
+        NotConnected when the registry does not list the engine; OutOfRange on a miss.
+        """
+        view = self._views.get(engine)
+        if view is None:
+            raise NotConnected(f"engine {engine!r} is not in the registry {self.registry} "
+                               "(never published, or its lease expired)")
+        try:
+            return view.table.find(addr, length, f"engine {engine!r} address")[1]
+        except OutOfRange as exc:
+            raise OutOfRange(f"{exc.args[0]} (registry {self.registry})") from None
+
+    def wait_for(self, predicate: Callable[[GlobalTable], bool], timeout: float) -> bool:
+        """Wait until `predicate(table)` holds (True) or `timeout` seconds pass (False).
+
+        Checked now and after every change; for tests and for "this change has reached
+        this engine" (e.g. a registration is visible before telling a peer about it).
+        """
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if predicate(self):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    return False
+                self._changed.wait(remaining)
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until a snapshot is applied and the stream is up."""
+        return self.wait_for(lambda table: table.synced, timeout)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop watching (cancels the stream); the last view stays readable. Idempotent."""
+        self._stop.set()
+        with self._watch_lock:
+            watch = self._watch
+        if watch is not None:
+            watch.close()  # type: ignore[attr-defined]
+        with self._changed:
+            self._changed.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self._timeout)
+
+    def __enter__(self) -> GlobalTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the watch thread
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            client = RegistryClient(self.registry, timeout=self._timeout,
+                                    cluster_token=self._token)
+            try:
+                watch = client.open_watch(engines=True)
+                with self._watch_lock:
+                    self._watch = watch
+                if self._stop.is_set():
+                    break
+                for event in watch:
+                    self._apply(event)
+                    failures = 0
+                if not self._stop.is_set():
+                    log.info("registry %s ended the watch; resyncing", self.registry)
+            except HixlError as exc:
+                level = logging.INFO if failures == 0 else logging.DEBUG
+                log.log(level, "registry %s watch lost: %s (resyncing)", self.registry, exc)
+            except Exception:  # a bug in applying must not silently freeze the table
+                log.exception("registry %s watch failed; resyncing", self.registry)
+            finally:
+                with self._watch_lock:
+                    self._watch = None
+                client.close()
+                self._mark(synced=False)
+            failures += 1
+            self._stop.wait(min(self._backoff_max, BACKOFF_FIRST_S * 2 ** min(failures, 10)))
+
+    def _mark(self, *, synced: bool) -> None:
+        with self._changed:
+            if self._synced != synced:
+                self._synced = synced
+                self._version += 1
+                self._changed.notify_all()
+
+    def _apply(self, event: WatchEvent) -> None:
+        """Build the changed views, swap them in, then bump the version and wake waiters."""
+        if event.kind == "SNAPSHOT":
+            self._views = self._snapshot_views(event.engines, event.segments)
+        else:
+            views = dict(self._views)
+            if event.kind == "ENGINE_UP":
+                for info in event.engines:
+                    held = views.get(info.engine)
+                    same = held is not None and held.epoch == info.epoch
+                    views[info.engine] = EngineView(info, held.table if same else AddressTable())
+            elif event.kind == "ENGINE_DOWN":
+                for info in event.engines:
+                    held = views.get(info.engine)
+                    if held is not None and held.epoch == info.epoch:
+                        del views[info.engine]
+            elif event.kind in ("ADDED", "REMOVED"):
+                for engine, segments in _by_engine(event.segments).items():
+                    views[engine] = _changed_view(views.get(engine), engine, segments,
+                                                  added=event.kind == "ADDED")
+            else:
+                log.debug("registry %s: ignoring unknown event kind %s", self.registry,
+                          event.kind)
+                return
+            self._views = views
+        with self._changed:
+            if event.kind == "SNAPSHOT":
+                self._resyncs += 1
+                self._synced = True
+            self._version += 1
+            self._changed.notify_all()
+
+    @staticmethod
+    def _snapshot_views(engines: Iterable[EngineInfo], segments: Iterable[SegmentInfo],
+                        ) -> dict[str, EngineView]:
+        infos = {info.engine: info for info in engines}
+        views: dict[str, EngineView] = {}
+        for engine, owned in _by_engine(segments).items():
+            views[engine] = _changed_view(None, engine, owned, added=True,
+                                          info=infos.get(engine))
+        for engine, info in infos.items():
+            if engine not in views:
+                views[engine] = EngineView(info, AddressTable())
+        return views
+
+
+def _by_engine(segments: Iterable[SegmentInfo]) -> dict[str, list[SegmentInfo]]:
+    grouped: dict[str, list[SegmentInfo]] = {}
+    for segment in segments:
+        grouped.setdefault(segment.engine, []).append(segment)
+    return grouped
+
+
+def _changed_view(held: EngineView | None, engine: str, segments: list[SegmentInfo], *,
+                  added: bool, info: EngineInfo | None = None) -> EngineView:
+    """A new view: `held`'s table (copied) with `segments` added or removed."""
+    if info is None:
+        info = held.info if held is not None else EngineInfo(
+            engine, segments[0].node_id, segments[0].epoch, EngineEndpoints())
+    table = held.table.copy() if held is not None else AddressTable()
+    for segment in sorted(segments, key=lambda s: s.base) if added else segments:
+        if added:
+            try:
+                table.insert(segment.base, segment.length, segment)
+            except ParamInvalid as exc:  # the registry refuses overlaps; never expected
+                log.warning("engine %s: segment %d not added: %s", engine,
+                            segment.segment_id, exc)
+        elif table.get(segment.base) == segment:
+            table.remove(segment.base)
+    return EngineView(info, table)
+
+
+__all__ = ["EngineView", "GlobalTable"]
