@@ -151,6 +151,9 @@ class _Connection:
         self._refusal: wire.Header | None = None  # error reply whose text is still coming
         self.replied = 0  # progress of the current exchange
         self.refusals: list[tuple[int, HixlError]] = []
+        self._frames: list[_Frame] = []  # the current exchange's frames and what to send
+        self._out: list[Buffer] = []
+        self._sent_upto = 0
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -172,40 +175,68 @@ class _Connection:
         Raises _StreamLost when the stream breaks (timeout, EOF, reset, a reply that does
         not match): the connection must then be dropped.
         """
+        self.begin(frames)
+        while True:
+            progressed = self.pump()
+            if self.done:
+                return self.finish()
+            if not progressed:
+                self._wait(self.events(), deadline)
+            elif time.monotonic() >= deadline:  # a trickling peer cannot stretch it
+                raise self._lost("timeout", "deadline passed")
+
+    # An exchange in steps, so that one loop can drive several connections (striping):
+    # begin(frames); then pump() whenever the socket may be ready (poll for events())
+    # until done; then finish().
+
+    def begin(self, frames: list[_Frame]) -> None:
         out: list[Buffer] = []
         for frame in frames:
             out.append(frame.header)
             if frame.payload is not None:
                 out.append(frame.payload)
-        sent_upto = 0
+        self._frames = frames
+        self._out = out
+        self._sent_upto = 0
         self.replied = 0  # frames whose reply is complete
         self.refusals = []
+
+    @property
+    def done(self) -> bool:
+        return self.replied == len(self._frames)
+
+    def events(self) -> int:
+        """What to poll for: replies always, room to send while requests remain."""
+        return select.POLLIN | (select.POLLOUT if self._sent_upto < len(self._out) else 0)
+
+    def pump(self) -> bool:
+        """Send what the socket takes and read what it holds, never blocking.
+
+        Returns whether anything moved; raises _StreamLost when the stream broke.
+        """
+        progressed = False
         try:
-            while True:
-                progressed = False
-                if sent_upto < len(out):
-                    try:
-                        sent = self.sock.sendmsg(out[sent_upto:sent_upto + IOV_MAX])
-                    except BlockingIOError:
-                        sent = 0
-                    if sent:
-                        progressed = True
-                        sent_upto = consume(out, sent_upto, sent)
-                if self._read_available(frames):
+            out = self._out
+            if self._sent_upto < len(out):
+                try:
+                    sent = self.sock.sendmsg(out[self._sent_upto:self._sent_upto + IOV_MAX])
+                except BlockingIOError:
+                    sent = 0
+                if sent:
                     progressed = True
-                if self.replied == len(frames):
-                    break
-                if not progressed:
-                    self._wait(select.POLLIN | (select.POLLOUT if sent_upto < len(out) else 0),
-                               deadline)
-                elif time.monotonic() >= deadline:  # a trickling peer cannot stretch it
-                    raise self._lost("timeout", "deadline passed")
+                    self._sent_upto = consume(out, self._sent_upto, sent)
+            if self._read_available(self._frames):
+                progressed = True
         except (OSError, wire.ProtocolError) as exc:
             if isinstance(exc, wire.ProtocolError):
                 raise self._lost("protocol", f"bad reply: {exc}") from None
             if isinstance(exc, _PEER_GONE):
                 raise self._lost("closed", f"connection reset ({exc.strerror})") from None
             raise self._lost("closed", f"socket error: {exc}") from None
+        return progressed
+
+    def finish(self) -> list[tuple[int, HixlError]]:
+        """The refusals of a completed exchange; stray bytes after it break the stream."""
         if self._start != self._end:
             raise self._lost("protocol", f"{self._end - self._start} bytes after the last reply")
         return self.refusals

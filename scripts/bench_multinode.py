@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""`hixl bench` between two simulated hosts: the socket path across a real link.
+
+    sudo .venv/bin/python scripts/bench_multinode.py [--json FILE|-] [hixl bench flags...]
+
+Builds two hosts with the multi-node test harness (tests/netns.py: each host has its own
+network namespace with a veth to a bridge, hostname, /tmp, /dev/shm, /run and pids), then
+on host B starts a `hixl-agent`, the raw Python socket-stream server (the baseline) and,
+when `mooncake.engine` imports, a Mooncake TransferEngine target; on host A it runs
+`hixl bench --agent B --raw-peer B [--mooncake-peer B]`, so every figure and every ratio
+compares transfers between the same two hosts in the same run. It prints the bench's
+report and the veth byte counters of both hosts: proof the bytes crossed the link.
+
+Flags other than --json/--keep-logs go to `hixl bench` unchanged (e.g. --sizes 4K,1M
+--ops write --seconds 0.2). Across hosts only the socket path applies (the fabric path
+maps memory of the same node). Needs root; exits with status 2 when hosts cannot be made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness is a dev tool, kept with tests
+
+import netns  # noqa: E402  (tests/netns.py)
+
+from hixl.client import bench, cli  # noqa: E402
+
+RAW_PORT = 50170
+RUN_TIMEOUT_S = 3600.0
+
+
+def _ready_line(proc: subprocess.Popen[str], prefix: str, what: str) -> str:
+    """The first line of `proc`'s stdout starting with `prefix`, within the start timeout.
+
+    A thread reads the pipe (a selector would miss lines already in the text buffer);
+    it keeps draining it afterwards so the process never blocks on a full pipe.
+    """
+    assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump(stream: IO[str]) -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=pump, args=(proc.stdout,), daemon=True).start()
+    deadline = time.monotonic() + netns.START_TIMEOUT_S
+    seen: list[str] = []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = ""
+        if line.startswith(prefix):
+            return line.strip()
+        if not line:  # EOF or deadline
+            raise netns.HarnessError(f"{what} did not start: {' | '.join(seen[-5:])}")
+        seen.append(line.strip())
+
+
+def _mooncake_wanted(config: bench.BenchConfig) -> str | None:
+    """Why Mooncake is left out, or None to start a target on host B."""
+    if config.mooncake == "off":
+        return "off"
+    from hixl.client import mooncake_baseline
+
+    return mooncake_baseline.unavailable_reason()
+
+
+def _moved(report: dict[str, Any]) -> dict[str, int]:
+    """Bytes the engine cells moved, by op (timed calls only: a lower bound)."""
+    moved = {"write": 0, "read": 0}
+    for cell in report["cells"]:
+        if cell["kind"] == "engine":
+            moved[cell["op"]] += cell["calls"] * cell["block"] * cell["batch"]
+    return moved
+
+
+def run(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
+    """Two hosts, the servers on B, the bench on A; returns the bench report plus counters."""
+    args = cli.build_parser().parse_args(["bench", *bench_args])
+    if args.agent or args.raw_peer or args.mooncake_peer or args.local:
+        raise SystemExit("bench_multinode: --agent/--raw-peer/--mooncake-peer/--local are "
+                         "set by this script")
+    config = cli.bench_config(args)
+    call_bytes = config.largest_call()
+    if keep_logs:
+        os.environ["HIXL_NETNS_KEEP_LOGS"] = "1"
+    with netns.Cluster(2) as cluster:
+        a, b = cluster.hosts
+        agent = cluster.start_agent(b, {"pool_max_bytes": 2 * call_bytes + (64 << 20),
+                                        "log_level": "WARNING"})
+        raw = b.spawn([sys.executable, "-m", "hixl.client.bench", "--raw-server",
+                       "--tcp", f"{b.ip}:{RAW_PORT}", "--buffer", str(call_bytes)],
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
+        _ready_line(raw, bench.RAW_READY, f"raw stream server on {b}")
+        extra = ["--agent", agent.engine, "--raw-peer", f"{b.ip}:{RAW_PORT}", "--local", a.ip]
+        why_not = _mooncake_wanted(config)
+        if why_not is None:
+            from hixl.client import mooncake_baseline as mc
+
+            target = b.spawn(mc.target_command(b.ip, call_bytes), env={"MC_LOG_LEVEL": "ERROR"},
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+            segment = mc.parse_ready(_ready_line(target, mc.READY, f"Mooncake target on {b}"))[0]
+            extra += ["--mooncake-peer", segment]
+        before = {h: (h.tx_bytes(), h.rx_bytes()) for h in (a, b)}
+        result = a.run([sys.executable, "-m", "hixl.client.cli", "bench", *bench_args, *extra,
+                        "--json", "-", "--no-progress"], timeout=RUN_TIMEOUT_S,
+                       env={"MC_LOG_LEVEL": "ERROR"})
+        after = {h: (h.tx_bytes(), h.rx_bytes()) for h in (a, b)}
+        missed_targets = result.returncode == cli.EXIT_FAILED and args.check_targets
+        if result.returncode != 0 and not (missed_targets and result.stdout.strip()):
+            sys.stderr.write(result.stderr[-8000:])
+            raise SystemExit(f"bench_multinode: hixl bench on {a} failed "
+                             f"(status {result.returncode})")
+        report = json.loads(result.stdout)
+        if why_not is not None and why_not != "off":
+            report["mooncake"]["reason"] = why_not
+        links = {role: {"host": h.name, "ip": h.ip, "tx_bytes": after[h][0] - before[h][0],
+                        "rx_bytes": after[h][1] - before[h][1]}
+                 for role, h in (("a", a), ("b", b))}
+    return {"bench": report, "links": links, "moved": _moved(report)}
+
+
+def format_links(result: dict[str, Any]) -> str:
+    links, moved = result["links"], result["moved"]
+    lines = ["", "link counters during the bench (veth eth0 of each host)"]
+    for role in ("a", "b"):
+        link = links[role]
+        lines.append(f"  host {role.upper()} {link['host']} ({link['ip']}): "
+                     f"tx {link['tx_bytes'] / 1e9:.3f} GB, rx {link['rx_bytes'] / 1e9:.3f} GB")
+    lines.append(f"  engine cells moved (timed calls): write {moved['write'] / 1e9:.3f} GB "
+                 f"A->B, read {moved['read'] / 1e9:.3f} GB B->A")
+    crossed = (links["a"]["tx_bytes"] >= moved["write"] and links["b"]["rx_bytes"] >= moved["write"]
+               and links["b"]["tx_bytes"] >= moved["read"] and links["a"]["rx_bytes"] >= moved["read"])
+    lines.append("  the bytes crossed the link" if crossed
+                 else "  WARNING: the link carried fewer bytes than the engine cells moved")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="hixl bench between two simulated hosts (network namespaces)",
+        epilog="Any other flag goes to `hixl bench` (see `hixl bench --help`).")
+    parser.add_argument("--json", metavar="FILE",
+                        help="also write the numbers as JSON to FILE ('-' = stdout; the tables "
+                             "then go to stderr)")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the agents' logs under the harness's run directory")
+    ours, bench_args = parser.parse_known_args(argv)
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        print(f"bench_multinode: simulated hosts unavailable: {reason}", file=sys.stderr)
+        return 2
+    result = run(bench_args, ours.keep_logs)
+    report = result["bench"]
+    text = bench.format_report(result["bench"]) + "\n" + format_links(result)
+    print(text, file=sys.stderr if ours.json == "-" else sys.stdout, flush=True)
+    if ours.json:
+        blob = json.dumps(result, indent=2)
+        if ours.json == "-":
+            print(blob, flush=True)
+        else:
+            with open(ours.json, "w", encoding="utf-8") as f:
+                f.write(blob + "\n")
+    if "--check-targets" in bench_args and not all(t["met"] for t in report["targets"]):
+        return cli.EXIT_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
