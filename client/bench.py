@@ -8,7 +8,15 @@ buffers for the fabric path, and a raw Python socket stream (a separate process 
 for the socket path. Every engine cell ends by checking, through the *other* path, that
 the bytes it moved are the right ones: a benchmark that moves wrong bytes is worthless.
 
-`python -m hixl.client.bench --raw-server ...` runs the raw stream peer (used internally).
+Across nodes (`--agent` on another host) only the socket path applies, and the raw stream
+peer must run on the agent's host too: `python -m hixl.client.bench --raw-server --tcp
+IP:PORT --buffer BYTES --forever` there, and `--raw-peer IP:PORT` here
+(scripts/bench_multinode.py does all of it between two simulated hosts). When
+`mooncake.engine` imports, Mooncake's TransferEngine (tcp) is measured in the same run on
+the same blocks (`client/mooncake_baseline.py`; `--mooncake-peer` names its target on the
+agent's host), and each socket cell gets its our/Mooncake ratio.
+
+`python -m hixl.client.bench --raw-server ...` runs the raw stream peer.
 """
 
 from __future__ import annotations
@@ -552,6 +560,8 @@ class Bench:
         segment = self.sides["fabric"].engine.allocate(self.agent, self.call_bytes, "rw",
                                                        "hixl-bench")
         self.remote_base = segment.base
+        # a long-running agent (--agent) gets its pool back when the run ends
+        self._stack.callback(self._release_segment, self.sides["fabric"].engine, segment)
         for side in self.sides.values():
             # one tiny transfer makes each engine open its path, so the facts are real
             side.engine.transfer(self.agent, TransferOp.READ,
@@ -570,6 +580,12 @@ class Bench:
         if "fabric" in self.paths and config.matrix:
             self.shm = ShmSegment(self.call_bytes, name="hixl-bench")
             self._stack.callback(self.shm.close)
+
+    def _release_segment(self, engine: Any, segment: Any) -> None:
+        try:
+            engine.release(self.agent, segment)
+        except HixlError as exc:  # the agent is gone or restarted: nothing to give back
+            self._note(f"could not release the bench segment: {exc}")
 
     def _open_raw(self) -> None:
         """The raw stream peer: given (on the agent's node), or a local process."""

@@ -507,6 +507,12 @@ class Engine:
         """The GlobalTable this engine follows (None without a registry)."""
         return self._global
 
+    @property
+    def agent(self) -> Any | None:
+        """The embedded agent (hixl.server.agent.Agent) serving this engine's memory, or
+        None for a client-only engine; adapters read the segments peers gave it."""
+        return self._server.agent if self._server is not None else None
+
     def disconnect(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Drop the connection, its mappings and data channels."""
         with self._lock:

@@ -64,7 +64,10 @@ class MasterProcess:
         with open(self.log_path, "a", encoding="utf-8") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hixl.server.master", "--host", "127.0.0.1",
-                 "--port", str(port), "--log-level", log_level, *extra],
+                 "--port", str(port), "--log-level", log_level,
+                 # metadata on disk only when the caller names a place for it
+                 *(() if any(f.startswith("--data-dir") for f in extra) else ("--no-persist",)),
+                 *extra],
                 stdout=subprocess.PIPE, stderr=log, text=True)
         self.target = self._wait_ready()
         self.port = int(self.target.rsplit(":", 1)[1])

@@ -1,8 +1,12 @@
-"""hixl-master: the process that serves the global address-table registry.
+"""hixl-master: the process that serves the global address-table registry and the KV
+store's `Master` service (the object index, server/store.py).
 
-It also accepts mooncake_master's flag spellings (`-rpc_port=50051` as well as
-`--rpc_port 50051`) so existing launch scripts work unchanged; the KV-store flags are
-validated now and kept in `StoreConfig` for the store that is built on top later.
+It accepts mooncake_master's flag spellings (`-rpc_port=50051` as well as
+`--rpc_port 50051`) so existing launch scripts work unchanged; the store flags
+(`--default_kv_lease_ttl`, `--eviction_high_watermark_ratio`, `--eviction_ratio`,
+`--client_ttl`, `--allocation_strategy`, ...) configure the store. Unlike
+mooncake_master, committed store metadata survives a restart: it is kept in a data dir
+(`--data-dir`; `--no-persist` keeps it in memory only).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -28,6 +33,8 @@ from hixl.server.registry import (
     add_registry_service,
     start_expiry,
 )
+from hixl.server.store import ALLOCATION_STRATEGIES, ObjectStore, StoreOptions
+from hixl.server.store_service import add_store_service, upkeep_forever
 
 log = logging.getLogger("hixl.master")
 
@@ -39,12 +46,49 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """mooncake_master's KV-store settings (units as mooncake: ms for kv lease, s for clients)."""
+    """The KV store's settings (units as mooncake: ms for kv lease, s for clients).
+
+    data_dir "" means the default (`default_data_dir`); persist False keeps the store in
+    memory only.
+    """
 
     default_kv_lease_ttl_ms: int = 5_000
     eviction_high_watermark_ratio: float = 0.95
     eviction_ratio: float = 0.05
     client_ttl_s: int = 10
+    allocation_strategy: str = "random"
+    default_kv_soft_pin_ttl_ms: int = 30 * 60 * 1000
+    put_start_discard_timeout_s: int = 30
+    put_start_release_timeout_s: int = 600
+    remount_grace_s: int = 60
+    data_dir: str = ""
+    persist: bool = True
+
+    def options(self) -> StoreOptions:
+        return StoreOptions(
+            default_kv_lease_ttl_ms=self.default_kv_lease_ttl_ms,
+            default_kv_soft_pin_ttl_ms=self.default_kv_soft_pin_ttl_ms,
+            eviction_high_watermark_ratio=self.eviction_high_watermark_ratio,
+            eviction_ratio=self.eviction_ratio, client_ttl_s=self.client_ttl_s,
+            allocation_strategy=self.allocation_strategy,
+            put_start_discard_timeout_s=self.put_start_discard_timeout_s,
+            put_start_release_timeout_s=self.put_start_release_timeout_s,
+            remount_grace_s=self.remount_grace_s)
+
+
+def default_data_dir(port: int, environ: dict[str, str] | None = None) -> str | None:
+    """Where a master on `port` keeps its store: $XDG_STATE_HOME (or ~/.local/state)
+    /hixl/master-<port>, one directory per port, so a restart on the same port finds it.
+
+    None for port 0: a master on a random port cannot be found again after a restart,
+    so there is nothing to come back to (give --data-dir to persist anyway).
+    """
+    if port == 0:
+        return None
+    env = os.environ if environ is None else environ
+    state = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                      "state")
+    return os.path.join(state, "hixl", f"master-{port}")
 
 
 @dataclass(frozen=True)
@@ -81,6 +125,13 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _strategy(text: str) -> str:
+    if text not in ALLOCATION_STRATEGIES:
+        raise argparse.ArgumentTypeError(f"use one of {', '.join(ALLOCATION_STRATEGIES)}; "
+                                         f"got {text!r}")
+    return text
+
+
 def _log_level(text: str) -> str:
     level = text.upper()
     if level not in LOG_LEVELS:
@@ -112,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="file holding the cluster token: every call must prove it. "
                              f"Default: ${ENV_TOKEN} (the token) or ${ENV_TOKEN_FILE} (a "
                              "file); with neither, calls are not authenticated")
-    store = parser.add_argument_group("mooncake store flags (recorded for the KV store)")
+    store = parser.add_argument_group("KV store (mooncake_master flags)")
     defaults = StoreConfig()
     store.add_argument(*_mooncake("default_kv_lease_ttl"), dest="default_kv_lease_ttl_ms",
                        type=_int_in(1), default=defaults.default_kv_lease_ttl_ms, metavar="MS",
@@ -124,6 +175,31 @@ def build_parser() -> argparse.ArgumentParser:
                        default=defaults.eviction_ratio)
     store.add_argument(*_mooncake("client_ttl"), dest="client_ttl_s", type=_int_in(1),
                        default=defaults.client_ttl_s, metavar="S", help="client liveness ttl in s (> 0)")
+    store.add_argument(*_mooncake("allocation_strategy"), dest="allocation_strategy",
+                       type=_strategy, default=defaults.allocation_strategy,
+                       metavar="STRATEGY", help="random (default) or free_ratio_first")
+    store.add_argument(*_mooncake("default_kv_soft_pin_ttl"),
+                       dest="default_kv_soft_pin_ttl_ms", type=_int_in(1), metavar="MS",
+                       default=defaults.default_kv_soft_pin_ttl_ms,
+                       help="soft pin ttl in ms when a put asks for none")
+    store.add_argument(*_mooncake("put_start_discard_timeout_sec"),
+                       dest="put_start_discard_timeout_s", type=_int_in(1), metavar="S",
+                       default=defaults.put_start_discard_timeout_s,
+                       help="an unfinished put may be pre-empted after this (s)")
+    store.add_argument(*_mooncake("put_start_release_timeout_sec"),
+                       dest="put_start_release_timeout_s", type=_int_in(1), metavar="S",
+                       default=defaults.put_start_release_timeout_s,
+                       help="the space of an unfinished put is reclaimed after this (s)")
+    store.add_argument("--remount-grace-s", dest="remount_grace_s", type=_int_in(1),
+                       metavar="S", default=defaults.remount_grace_s,
+                       help="after a restart, how long restored segments wait for their "
+                            "owners to remount them (default %(default)s)")
+    store.add_argument("--data-dir", dest="data_dir", default="", metavar="DIR",
+                       help="where committed store metadata is kept across restarts "
+                            "(default: $XDG_STATE_HOME/hixl/master-<port>; none with "
+                            "--port 0)")
+    store.add_argument("--no-persist", dest="persist", action="store_false",
+                       help="keep the store in memory only (every key is lost on restart)")
     return parser
 
 
@@ -136,13 +212,36 @@ def parse_config(argv: list[str]) -> MasterConfig:
         store=StoreConfig(
             default_kv_lease_ttl_ms=args.default_kv_lease_ttl_ms,
             eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
-            eviction_ratio=args.eviction_ratio, client_ttl_s=args.client_ttl_s))
+            eviction_ratio=args.eviction_ratio, client_ttl_s=args.client_ttl_s,
+            allocation_strategy=args.allocation_strategy,
+            default_kv_soft_pin_ttl_ms=args.default_kv_soft_pin_ttl_ms,
+            put_start_discard_timeout_s=args.put_start_discard_timeout_s,
+            put_start_release_timeout_s=args.put_start_release_timeout_s,
+            remount_grace_s=args.remount_grace_s, data_dir=args.data_dir,
+            persist=args.persist))
 
 
 def _bind_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"
     return f"{host}:{port}"
+
+
+def open_store(config: StoreConfig, port: int) -> ObjectStore:
+    """The ObjectStore the flags describe, its committed state replayed from the data dir.
+
+    ConfigError (naming the directory) when the data dir cannot be used or another
+    master holds it.
+    """
+    data_dir = None
+    if config.persist:
+        data_dir = config.data_dir or default_data_dir(port)
+        if data_dir is None:
+            log.info("store: in memory only (--port 0 and no --data-dir)")
+    store = ObjectStore(config.options(), data_dir=data_dir)
+    if data_dir is not None:
+        log.info("store: committed metadata kept in %s", data_dir)
+    return store
 
 
 async def serve(config: MasterConfig, stop: asyncio.Event,
@@ -154,7 +253,9 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     registry = Registry(max_ttl_ms=config.max_lease_ttl_ms)
     # No SO_REUSEPORT: a second master on a taken port must fail, not share it silently.
     server = grpc.aio.server(
-        options=[*SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0)],
+        options=[*SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0),
+                 # batch store calls of many keys outgrow gRPC's default 4 MiB
+                 ("grpc.max_receive_message_length", 64 << 20)],
         interceptors=[TokenInterceptor(cluster_token)] if cluster_token is not None else None)
     add_registry_service(server, registry, expire_every_s=None)
     address = _bind_address(config.host, config.port)
@@ -163,17 +264,28 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     except RuntimeError as exc:
         print(f"hixl-master: cannot bind {address}: {exc}", file=sys.stderr, flush=True)
         return 1
-    expiry = start_expiry(registry)
-    await server.start()
-    print(f"hixl-master serving {_bind_address(config.host, port)}", flush=True)
-    log.info("cluster token: %s", "required" if cluster_token is not None else
-             "none (calls are not authenticated)")
-    log.info("store settings: %s", config.store)
     try:
+        # Port first: a second master on a taken port says so, not "data dir in use".
+        store = await asyncio.to_thread(open_store, config.store, config.port)
+    except ConfigError as exc:
+        print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
+        return 1
+    add_store_service(server, store)
+    expiry = start_expiry(registry)
+    upkeep = asyncio.get_running_loop().create_task(upkeep_forever(store),
+                                                    name="hixl-store-upkeep")
+    try:
+        await server.start()
+        print(f"hixl-master serving {_bind_address(config.host, port)}", flush=True)
+        log.info("cluster token: %s", "required" if cluster_token is not None else
+                 "none (calls are not authenticated)")
+        log.info("store settings: %s", config.store)
         await stop.wait()
     finally:
         expiry.cancel()
+        upkeep.cancel()
         await server.stop(STOP_GRACE_S)
+        await asyncio.to_thread(store.close)
     return 0
 
 

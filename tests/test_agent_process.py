@@ -409,7 +409,8 @@ def start_master() -> Iterator[Callable[[int], str]]:
     procs: list[subprocess.Popen[str]] = []
 
     def start(port: int = 0) -> str:
-        proc = subprocess.Popen([sys.executable, "-m", "hixl.server.master", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "hixl.server.master", "--port", str(port),
+                                 "--no-persist"],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 env=clean_env())
         procs.append(proc)

@@ -31,8 +31,14 @@ def _run(*extra: str) -> tuple[dict, str]:
     return json.loads(proc.stdout), proc.stderr
 
 
+def _mooncake_missing() -> str | None:
+    from hixl.client import mooncake_baseline
+
+    return mooncake_baseline.unavailable_reason()
+
+
 def test_bench_json_has_every_cell_with_positive_numbers() -> None:
-    report, table = _run()
+    report, table = _run("--mooncake", "off")
     assert report["verified"] is True
     cells = report["cells"]
     engine = {(c["path"], c["op"], c["mode"], c["block"], c["batch"]): c
@@ -72,6 +78,79 @@ def test_bench_json_has_every_cell_with_positive_numbers() -> None:
     # blocks < 1 MiB and no x256 batch: only the single-4K-op latency target applies
     assert {t["target"] for t in report["targets"]} == {"fabric one 4 KiB op: p50 <= 15 us"}
     assert "ratio" in table and "HIXL-style" in table  # the table went to stderr
+    assert report["across_nodes"] is False and report["local"] == "127.0.0.1"
+    assert report["mooncake"] == {"measured": False, "reason": "not asked for (--mooncake off)"}
+    assert "Mooncake: not measured: not asked for" in table
+    assert not any("vs_mooncake" in c for c in cells)
+
+
+def test_bench_against_a_raw_peer_started_separately() -> None:
+    """--raw-peer: the raw stream server runs on its own (as on another node), TCP only."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "hixl.client.bench", "--raw-server", "--tcp", "127.0.0.1:0",
+         "--buffer", str(1 << 20), "--forever"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        ready = server.stdout.readline().split()
+        assert ready[0] == bench.RAW_READY
+        peer = f"127.0.0.1:{ready[1]}"
+        report, _ = _run("--raw-peer", peer, "--local", "127.0.0.1", "--paths", "socket",
+                         "--modes", "sync", "--no-hixl-style", "--mooncake", "off")
+    finally:
+        server.kill()
+        server.wait(10)
+    assert report["raw_peer"] == peer and report["socket_baseline"] == "raw-tcp"
+    assert report["paths"] == {"socket": {"route": "unix"}}
+    baselines = {(c["name"], c["op"], c["block"], c["batch"]) for c in report["cells"]
+                 if c["kind"] == "baseline"}
+    assert baselines == {("raw-tcp", op, size, batch) for op in bench.OPS for size in SIZES
+                         for batch in BATCHES}
+    for cell in report["cells"]:
+        if cell["kind"] == "engine":
+            assert cell["baseline"] == "raw-tcp" and cell["ratio"] > 0 and cell["verified"]
+
+
+@pytest.mark.skipif(_mooncake_missing() is not None,
+                    reason="optional extra hixl[mooncake] (mooncake.engine) not installed")
+def test_bench_measures_mooncake_side_by_side() -> None:
+    report, table = _run("--mooncake", "on", "--paths", "socket", "--modes", "sync",
+                         "--no-hixl-style")
+    info = report["mooncake"]
+    assert info["measured"] is True and info["protocol"] == "tcp"
+    assert info["metadata"] == "P2PHANDSHAKE" and info["segment"].startswith("127.0.0.1:")
+    mooncake = {(c["op"], c["block"], c["batch"]): c for c in report["cells"]
+                if c["kind"] == "baseline" and c["name"] == "mooncake"}
+    assert set(mooncake) == {(op, size, batch) for op in bench.OPS for size in SIZES
+                             for batch in BATCHES}
+    for cell in mooncake.values():
+        assert cell["gbps"] > 0 and cell["calls"] >= 2 and cell["p99_us"] >= cell["p50_us"]
+    engine = [c for c in report["cells"] if c["kind"] == "engine"]
+    assert len(engine) == len(mooncake)
+    for cell in engine:
+        base = mooncake[(cell["op"], cell["block"], cell["batch"])]
+        assert cell["mooncake_gbps"] == base["gbps"]
+        assert cell["vs_mooncake"] > 0 and cell["vs_mooncake_p50"] > 0
+    assert "vs Mooncake TransferEngine" in table
+
+
+def test_bench_without_mooncake_says_why_when_it_is_required(monkeypatch) -> None:
+    """--mooncake on fails by name when the engine is missing; auto runs without it."""
+    from hixl.client import mooncake_baseline
+
+    monkeypatch.setattr(mooncake_baseline, "unavailable_reason",
+                        lambda: "mooncake.engine does not import (test)")
+    args = ["--paths", "socket", "--ops", "write", "--modes", "sync", "--sizes", "4K",
+            "--batch", "1", "--seconds", "0.02", "--warmup", "0", "--no-hixl-style"]
+    config = cli.bench_config(cli.build_parser().parse_args(["bench", *args, "--mooncake", "on"]))
+    with pytest.raises(bench.BenchFailure, match="Mooncake was required.*does not import"):
+        bench.run_bench(config)
+    config = cli.bench_config(cli.build_parser().parse_args(["bench", *args]))
+    report = bench.run_bench(config)
+    assert report["mooncake"] == {"measured": False,
+                                  "reason": "mooncake.engine does not import (test)"}
+    assert "Mooncake: not measured: mooncake.engine does not import" in bench.format_report(
+        report)
 
 
 def test_bench_hixl_style_only_and_json_file(tmp_path) -> None:
@@ -92,6 +171,38 @@ def test_bench_refuses_bad_flags(capsys) -> None:
         cli.main(["bench", "--paths", "carrier-pigeon"])
     assert exc.value.code == 2
     assert "choose from fabric, socket" in capsys.readouterr().err
+    for flag in ("--raw-peer", "--mooncake-peer"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", flag, "no-port-here"])
+        assert exc.value.code == 2
+        assert "expected HOST:PORT" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--mooncake", "maybe"])
+    assert exc.value.code == 2
+
+
+def test_cross_node_and_mooncake_targets() -> None:
+    """Across nodes the raw-stream target is 0.8x; Mooncake targets apply once measured."""
+    def cell(block: int, batch: int, **numbers: float) -> dict:
+        return {"kind": "engine", "path": "socket", "op": "write", "mode": "sync",
+                "block": block, "batch": batch, **numbers}
+
+    cells = [cell(bench.HIXL_BLOCK, 1, ratio_p50=0.75, vs_mooncake=3.0, vs_mooncake_p50=2.4),
+             cell(4096, 256, ratio_p50=0.9, vs_mooncake=5.5, vs_mooncake_p50=6.0)]
+    targets = {t["target"]: t for t in bench.evaluate_targets(cells, across_nodes=True)}
+    raw = targets["socket >= 1 MiB: >= 0.8x raw stream (across nodes)"]
+    assert raw["limit"] == 0.8 and raw["met"] is False
+    assert targets["socket 8784 KiB: >= 2.5x Mooncake tcp"]["met"] is False  # p50 ratio 2.4
+    assert targets["socket 4 KiB x256: >= 5x Mooncake tcp"]["met"] is True
+    same_node = {t["target"]: t for t in bench.evaluate_targets(cells)}
+    assert same_node["socket >= 1 MiB: >= 0.7x raw stream"]["met"] is True
+
+
+def test_local_address_towards_an_agent() -> None:
+    assert bench.local_address_towards("127.0.0.1:50051") == "127.0.0.1"
+    assert bench.split_host_port("[::1]:7") == ("::1", 7)
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        bench.split_host_port("10.0.0.1")
 
 
 def test_batches_are_capped_by_call_size() -> None:

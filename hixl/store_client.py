@@ -1,0 +1,485 @@
+"""Blocking client of the KV store's `Master` service (hixl-master), and the store's types.
+
+The master holds metadata only: which key lives where (replicas: engine, segment, owner
+address, length). Bytes move between clients over the transfer engine, never through
+the master. A store client (e.g. the Mooncake-compatible `MooncakeDistributedStore`)
+uses `MasterClient` like this:
+
+Contributing memory (a client that is also a storage server):
+
+    master = MasterClient("10.0.0.1:50051")          # client_id: a fresh uuid4 per process
+    master.mount_segment(StoreSegment(engine, segment_id, epoch, base, length, node_id))
+    # every client_ttl/3 (the reply says the ttl):
+    if master.heartbeat().status == ClientStatus.NEED_REMOUNT:
+        ...mount every segment again (the master expired us, or restarted; a remount of
+        the same engine/segment_id/epoch/base/length after a master restart brings the
+        objects stored in it back)...
+
+Writing (two-phase: nothing is visible before PutEnd, a crash leaves no partial value):
+
+    [started] = master.batch_put_start([(key, len(value))], ReplicaConfig(replica_num=2))
+    if started.code == ErrorCode.OK:
+        for replica in started.replicas:   # engine, segment_id, epoch, addr, length
+            ...write the value to (replica.engine, replica.addr) over the transfer engine...
+        master.put_end(key, started.put_id)         # or put_revoke(key, put_id) on failure
+    # OBJECT_ALREADY_EXISTS: the key is stored (or being stored); upsert=True replaces it
+    # at PutEnd. NO_AVAILABLE_HANDLE: no space even after eviction.
+
+Reading (under a lease: no removal or eviction frees the replicas for lease_ttl_ms):
+
+    [got] = master.batch_get_replicas([key])
+    if got.code == ErrorCode.OK:
+        ...read got.size bytes from any of got.replicas, within got.lease_ttl_ms...
+
+Every per-key outcome is a Mooncake `ErrorCode` (hixl.store_codes), returned, not
+raised. Only a failed *call* raises: `MasterUnavailable` when the master cannot be
+reached or does not answer within the deadline, `MasterRpcError` (base class) for any
+other RPC failure, e.g. a wrong cluster token or a server without the Master service.
+All of them carry `.code == ErrorCode.RPC_FAIL`, which is what the store returns for
+them; a missing key is OBJECT_NOT_FOUND, never an exception. Every call has a deadline
+(`timeout`, default 5 s), so a dead master never hangs a caller; while the master is
+down, calls fail at once (the channel retries the connection in the background within
+2 s of the master's return).
+
+Batch forms (`batch_*`) take lists and cost one RPC whatever their length; the single
+forms are batches of one. Engine endpoints (data addresses) of the segments' owners:
+`list_segments()`.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from hixl.auth import as_token
+from hixl.control import authenticated_channel, error_from_rpc, node_identity
+from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid, PeerUnavailable
+from hixl.registry_client import (
+    CLIENT_KEEPALIVE_OPTIONS,
+    NO_ENDPOINTS,
+    EngineEndpoints,
+    endpoints_from_pb,
+    endpoints_to_pb,
+)
+from hixl.store_codes import ErrorCode
+from hixl.v1 import store_pb2, store_pb2_grpc
+
+# ---------------------------------------------------------------------------- types
+
+
+class ReplicaState(enum.IntEnum):
+    """Same numbering as `Replica.State` in store.proto."""
+
+    INIT = 0          # allocated by PutStart; the writer is filling it
+    COMPLETE = 1      # committed by PutEnd
+
+
+class SoftPinAction(enum.IntEnum):
+    """Mooncake's soft_pin_action; same numbering as `SoftPin.Action` in store.proto."""
+
+    PRESERVE = 0      # keep the object's current soft pin (none for a new key)
+    ENABLE = 1
+    DISABLE = 2
+
+
+class ClientStatus(enum.IntEnum):
+    """Heartbeat answer (Mooncake's ClientStatus)."""
+
+    UNDEFINED = 0
+    OK = 1
+    NEED_REMOUNT = 2  # unknown client (expired, or the master restarted): mount again
+
+
+@dataclass(frozen=True)
+class StoreSegment:
+    """A segment a client contributes: memory served by `engine`'s agent at owner addresses.
+
+    (engine, segment_id) names it; epoch, base and length describe the memory. After a
+    master restart, a remount with all five equal brings its objects back; a newer epoch
+    means the memory was lost (its objects are dropped).
+    """
+
+    engine: str
+    segment_id: int
+    epoch: int
+    base: int
+    length: int
+    node_id: str = ""
+    endpoints: EngineEndpoints = NO_ENDPOINTS
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One copy of a value: `length` bytes at owner address `addr` of a segment."""
+
+    replica_id: int
+    engine: str
+    segment_id: int
+    epoch: int
+    addr: int
+    length: int
+    node_id: str = ""
+    state: ReplicaState = ReplicaState.COMPLETE
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Mooncake's ReplicateConfig, as far as the master uses it.
+
+    replica_num copies on distinct segments (best effort: fewer when fewer segments have
+    room, at least one); preferred_segments (engine names, "host:port") are tried first,
+    then, with prefer_alloc_in_same_node, segments on the caller's node. soft_pin_ttl_ms
+    0 means the master's default.
+    """
+
+    replica_num: int = 1
+    with_hard_pin: bool = False
+    soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
+    soft_pin_ttl_ms: int = 0
+    preferred_segments: tuple[str, ...] = ()
+    prefer_alloc_in_same_node: bool = False
+
+
+@dataclass(frozen=True)
+class PutStartResult:
+    """code OK: write every replica, then put_end(key, put_id) (or put_revoke)."""
+
+    code: int
+    put_id: int = 0
+    replicas: tuple[Replica, ...] = ()
+
+
+@dataclass(frozen=True)
+class GetReplicasResult:
+    """code OK: `size` bytes readable from any replica within `lease_ttl_ms`."""
+
+    code: int
+    size: int = 0
+    replicas: tuple[Replica, ...] = ()
+    lease_ttl_ms: int = 0
+
+
+@dataclass(frozen=True)
+class SegmentResult:
+    """Outcome of mount (`objects` served again) or unmount (`objects` dropped)."""
+
+    code: int
+    message: str = ""
+    objects: int = 0
+
+
+@dataclass(frozen=True)
+class CountResult:
+    """Outcome of remove_by_regex / remove_all: how many objects went."""
+
+    code: int
+    count: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class HeartbeatResult:
+    status: ClientStatus
+    client_ttl_ms: int
+
+
+@dataclass(frozen=True)
+class MountedSegment:
+    """A segment as the master sees it; `live` False: restored, awaiting its remount."""
+
+    segment: StoreSegment
+    client_id: str
+    live: bool
+    used: int
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class MasterRpcError(HixlError):
+    """A call to the master failed as a call (the store reports RPC_FAIL for it)."""
+
+    code: int = ErrorCode.RPC_FAIL
+
+
+class MasterUnavailable(MasterRpcError, PeerUnavailable):
+    """The master is unreachable, or did not answer within the call's deadline."""
+
+
+class MasterAuthenticationFailed(MasterRpcError, AuthenticationFailed):
+    """The master refused our cluster token (or asked for one we do not have)."""
+
+
+_UNAVAILABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.CANCELLED})
+
+
+def master_error(exc: grpc.RpcError, what: str) -> MasterRpcError:
+    """The typed MasterRpcError a failed call to the master stands for."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    base = error_from_rpc(exc, what)
+    message = str(base.args[0]) if base.args else what
+    if code in _UNAVAILABLE_CODES:
+        return MasterUnavailable(message)
+    if isinstance(base, AuthenticationFailed):
+        return MasterAuthenticationFailed(message)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return MasterRpcError(f"{message} (this server has no Master service: the store "
+                              "needs hixl-master; an agent's embedded registry has none)")
+    return MasterRpcError(message, status=base.status)
+
+
+# ---------------------------------------------------------------------------- protobuf
+
+
+def store_segment_to_pb(segment: StoreSegment) -> store_pb2.StoreSegment:
+    return store_pb2.StoreSegment(
+        engine=segment.engine, segment_id=segment.segment_id, epoch=segment.epoch,
+        base=segment.base, length=segment.length, node_id=segment.node_id,
+        endpoints=endpoints_to_pb(segment.endpoints), name=segment.name)
+
+
+def store_segment_from_pb(pb: store_pb2.StoreSegment) -> StoreSegment:
+    return StoreSegment(engine=pb.engine, segment_id=pb.segment_id, epoch=pb.epoch,
+                        base=pb.base, length=pb.length, node_id=pb.node_id,
+                        endpoints=endpoints_from_pb(pb.endpoints), name=pb.name)
+
+
+def replica_to_pb(replica: Replica) -> store_pb2.Replica:
+    return store_pb2.Replica(
+        replica_id=replica.replica_id, engine=replica.engine, segment_id=replica.segment_id,
+        epoch=replica.epoch, addr=replica.addr, length=replica.length,
+        node_id=replica.node_id, state=int(replica.state))
+
+
+def replica_from_pb(pb: store_pb2.Replica) -> Replica:
+    return Replica(replica_id=pb.replica_id, engine=pb.engine, segment_id=pb.segment_id,
+                   epoch=pb.epoch, addr=pb.addr, length=pb.length, node_id=pb.node_id,
+                   state=ReplicaState(pb.state) if pb.state in (0, 1) else ReplicaState.INIT)
+
+
+def replica_config_to_pb(config: ReplicaConfig) -> store_pb2.ReplicaConfig:
+    return store_pb2.ReplicaConfig(
+        replica_num=config.replica_num, with_hard_pin=config.with_hard_pin,
+        soft_pin_action=int(config.soft_pin_action), soft_pin_ttl_ms=config.soft_pin_ttl_ms,
+        preferred_segments=list(config.preferred_segments),
+        prefer_alloc_in_same_node=config.prefer_alloc_in_same_node)
+
+
+def replica_config_from_pb(pb: store_pb2.ReplicaConfig) -> ReplicaConfig:
+    """Decode; an unknown soft pin action is refused (ParamInvalid), not guessed."""
+    try:
+        action = SoftPinAction(pb.soft_pin_action)
+    except ValueError:
+        raise ParamInvalid(f"unknown soft_pin_action {pb.soft_pin_action}") from None
+    return ReplicaConfig(
+        replica_num=pb.replica_num or 1, with_hard_pin=pb.with_hard_pin,
+        soft_pin_action=action, soft_pin_ttl_ms=pb.soft_pin_ttl_ms,
+        preferred_segments=tuple(pb.preferred_segments),
+        prefer_alloc_in_same_node=pb.prefer_alloc_in_same_node)
+
+
+# ---------------------------------------------------------------------------- client
+
+_Reply = TypeVar("_Reply")
+
+
+class MasterClient:
+    """One method per Master RPC; per-key outcomes are ErrorCodes, failed calls raise.
+
+    `client_id` names this client to the master (its mounts, heartbeats and puts); the
+    default is a fresh uuid4, i.e. one identity per process. `node_id` is this client's
+    node for prefer_alloc_in_same_node (default: this host's node identity, the one
+    agents publish by default).
+    """
+
+    def __init__(self, target: str, *, timeout: float = 5.0,
+                 cluster_token: str | bytes | None = None, client_id: str | None = None,
+                 node_id: str | None = None) -> None:
+        if not timeout > 0:
+            raise ParamInvalid(f"master client timeout must be positive, got {timeout}")
+        self.target = target
+        self.timeout = timeout
+        self.client_id = client_id or uuid.uuid4().hex
+        self.node_id = node_identity() if node_id is None else node_id
+        self._channel = grpc.insecure_channel(target, options=CLIENT_KEEPALIVE_OPTIONS)
+        self._stub = store_pb2_grpc.MasterStub(
+            authenticated_channel(self._channel, as_token(cluster_token)))
+
+    def _call(self, method: Callable[..., _Reply], request: Any, what: str,
+              timeout: float | None) -> _Reply:
+        try:
+            return method(request, timeout=self.timeout if timeout is None else timeout)
+        except grpc.RpcError as exc:
+            raise master_error(exc, f"{what} at master {self.target}") from None
+
+    # -- segments and liveness -------------------------------------------------------
+
+    def mount_segment(self, segment: StoreSegment, timeout: float | None = None,
+                      ) -> SegmentResult:
+        """Contribute `segment`; remounting the same one is idempotent (and, after a
+        master restart, serves its objects again: `objects` says how many)."""
+        reply = self._call(self._stub.MountSegment, store_pb2.MountSegmentRequest(
+            client_id=self.client_id, segment=store_segment_to_pb(segment)),
+            f"mount of segment {segment.engine}/{segment.segment_id}", timeout)
+        return SegmentResult(reply.code, reply.message, reply.restored_objects)
+
+    def unmount_segment(self, engine: str, segment_id: int, timeout: float | None = None,
+                        ) -> SegmentResult:
+        """Withdraw a segment: its replicas go, objects left with none are removed."""
+        reply = self._call(self._stub.UnmountSegment, store_pb2.UnmountSegmentRequest(
+            client_id=self.client_id, engine=engine, segment_id=segment_id),
+            f"unmount of segment {engine}/{segment_id}", timeout)
+        return SegmentResult(reply.code, reply.message, reply.dropped_objects)
+
+    def heartbeat(self, timeout: float | None = None) -> HeartbeatResult:
+        """Keep this client (and its segments) alive; NEED_REMOUNT: mount everything again."""
+        reply = self._call(self._stub.Heartbeat,
+                           store_pb2.HeartbeatRequest(client_id=self.client_id),
+                           "heartbeat", timeout)
+        return HeartbeatResult(ClientStatus(reply.status) if reply.status in (0, 1, 2)
+                               else ClientStatus.UNDEFINED, reply.client_ttl_ms)
+
+    def list_segments(self, timeout: float | None = None) -> list[MountedSegment]:
+        reply = self._call(self._stub.ListSegments, store_pb2.ListStoreSegmentsRequest(),
+                           "list of segments", timeout)
+        return [MountedSegment(store_segment_from_pb(pb.segment), pb.client_id, pb.live,
+                               pb.used) for pb in reply.segments]
+
+    def stats(self, timeout: float | None = None) -> dict[str, float]:
+        reply = self._call(self._stub.Stats, store_pb2.StoreStatsRequest(), "stats", timeout)
+        return dict(reply.stats)
+
+    # -- puts ------------------------------------------------------------------------
+
+    def batch_put_start(self, items: Sequence[tuple[str, int]],
+                        config: ReplicaConfig | None = None, *, upsert: bool = False,
+                        timeout: float | None = None) -> list[PutStartResult]:
+        """Allocate replicas for each (key, value_length); one result per item, in order."""
+        request = store_pb2.PutStartRequest(
+            client_id=self.client_id, node_id=self.node_id, upsert=upsert,
+            config=replica_config_to_pb(config or ReplicaConfig()),
+            items=[store_pb2.PutStartItem(key=key, value_length=length)
+                   for key, length in items])
+        reply = self._call(self._stub.PutStart, request,
+                           f"put start of {len(items)} key(s)", timeout)
+        return [PutStartResult(r.code, r.put_id, tuple(replica_from_pb(p) for p in r.replicas))
+                for r in reply.results]
+
+    def put_start(self, key: str, value_length: int, config: ReplicaConfig | None = None,
+                  *, upsert: bool = False, timeout: float | None = None) -> PutStartResult:
+        return self.batch_put_start([(key, value_length)], config, upsert=upsert,
+                                    timeout=timeout)[0]
+
+    def batch_put_end(self, puts: Sequence[tuple[str, int]],
+                      timeout: float | None = None) -> list[int]:
+        """Commit each (key, put_id): the value becomes visible (replacing it, for upserts)."""
+        return self._put_refs(self._stub.PutEnd, puts, "put end", timeout)
+
+    def put_end(self, key: str, put_id: int, timeout: float | None = None) -> int:
+        return self.batch_put_end([(key, put_id)], timeout)[0]
+
+    def batch_put_revoke(self, puts: Sequence[tuple[str, int]],
+                         timeout: float | None = None) -> list[int]:
+        """Abandon each (key, put_id): its space is freed, a committed value stays."""
+        return self._put_refs(self._stub.PutRevoke, puts, "put revoke", timeout)
+
+    def put_revoke(self, key: str, put_id: int, timeout: float | None = None) -> int:
+        return self.batch_put_revoke([(key, put_id)], timeout)[0]
+
+    def _put_refs(self, method: Callable[..., store_pb2.CodesReply],
+                  puts: Sequence[tuple[str, int]], what: str, timeout: float | None,
+                  ) -> list[int]:
+        request = store_pb2.PutEndRequest(
+            client_id=self.client_id,
+            puts=[store_pb2.PutRef(key=key, put_id=put_id) for key, put_id in puts])
+        reply = self._call(method, request, f"{what} of {len(puts)} key(s)", timeout)
+        return list(reply.codes)
+
+    # -- reads -----------------------------------------------------------------------
+
+    def batch_get_replicas(self, keys: Sequence[str], timeout: float | None = None,
+                           ) -> list[GetReplicasResult]:
+        """Where each key's value is; grants a read lease on each one found."""
+        reply = self._call(self._stub.GetReplicas, store_pb2.KeysRequest(keys=list(keys)),
+                           f"get replicas of {len(keys)} key(s)", timeout)
+        return [GetReplicasResult(r.code, r.size, tuple(replica_from_pb(p) for p in r.replicas),
+                                  r.lease_ttl_ms) for r in reply.results]
+
+    def get_replicas(self, key: str, timeout: float | None = None) -> GetReplicasResult:
+        return self.batch_get_replicas([key], timeout)[0]
+
+    def batch_exist_key(self, keys: Sequence[str], timeout: float | None = None,
+                        ) -> list[int]:
+        """OK: stored and readable; OBJECT_NOT_FOUND; REPLICA_IS_NOT_READY: stored, but
+        every replica is in a segment awaiting its remount."""
+        reply = self._call(self._stub.ExistKey, store_pb2.KeysRequest(keys=list(keys)),
+                           f"exist of {len(keys)} key(s)", timeout)
+        return list(reply.codes)
+
+    def exist_key(self, key: str, timeout: float | None = None) -> int:
+        return self.batch_exist_key([key], timeout)[0]
+
+    def batch_get_size(self, keys: Sequence[str], timeout: float | None = None) -> list[int]:
+        """Each value's size in bytes, or a negative ErrorCode (Mooncake's get_size)."""
+        reply = self._call(self._stub.GetSize, store_pb2.KeysRequest(keys=list(keys)),
+                           f"get size of {len(keys)} key(s)", timeout)
+        return list(reply.sizes)
+
+    def get_size(self, key: str, timeout: float | None = None) -> int:
+        return self.batch_get_size([key], timeout)[0]
+
+    # -- removal ---------------------------------------------------------------------
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False,
+                     timeout: float | None = None) -> list[int]:
+        """Remove each key: OBJECT_HAS_LEASE while read-leased, unless `force` (then the
+        key goes at once and its space is reused only after the lease)."""
+        reply = self._call(self._stub.Remove,
+                           store_pb2.RemoveRequest(keys=list(keys), force=force),
+                           f"remove of {len(keys)} key(s)", timeout)
+        return list(reply.codes)
+
+    def remove(self, key: str, force: bool = False, timeout: float | None = None) -> int:
+        return self.batch_remove([key], force, timeout)[0]
+
+    def remove_by_regex(self, regex: str, force: bool = False,
+                        timeout: float | None = None) -> CountResult:
+        """Remove every key `regex` matches (Python `re.search`); leased ones stay unless force."""
+        reply = self._call(self._stub.RemoveByRegex,
+                           store_pb2.RemoveByRegexRequest(regex=regex, force=force),
+                           f"remove by regex {regex!r}", timeout)
+        return CountResult(reply.code, reply.count, reply.message)
+
+    def remove_all(self, force: bool = False, timeout: float | None = None) -> CountResult:
+        """Remove every committed key (leased ones stay unless force); puts in progress stay."""
+        reply = self._call(self._stub.RemoveAll, store_pb2.RemoveAllRequest(force=force),
+                           "remove all", timeout)
+        return CountResult(reply.code, reply.count, reply.message)
+
+    # -- lifetime --------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> MasterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "ClientStatus", "CountResult", "GetReplicasResult", "HeartbeatResult", "MasterClient",
+    "MasterAuthenticationFailed", "MasterRpcError", "MasterUnavailable", "MountedSegment",
+    "PutStartResult", "Replica", "ReplicaConfig", "ReplicaState", "SegmentResult",
+    "SoftPinAction", "StoreSegment", "master_error", "replica_config_from_pb",
+    "replica_config_to_pb", "replica_from_pb", "replica_to_pb", "store_segment_from_pb",
+    "store_segment_to_pb",
+]

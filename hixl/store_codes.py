@@ -1,0 +1,86 @@
+"""Mooncake Store's ErrorCode values, the outcome codes of the KV store.
+
+The master puts one of these in every reply (one per key in batch calls), and the
+Mooncake-compatible client returns them unchanged, so code written against
+`mooncake.store` compares against the very numbers it expects. Values follow Mooncake's
+`error-code.md`; `RPC_FAIL` is what a client reports when the master could not be asked
+at all (unreachable, deadline), which is never confused with OBJECT_NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    OK = 0
+
+    # internal / buffer
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+
+    # segment
+    SHARD_INDEX_OUT_OF_RANGE = -100
+    SEGMENT_NOT_FOUND = -101
+    SEGMENT_ALREADY_EXISTS = -102
+
+    # allocation
+    NO_AVAILABLE_HANDLE = -200          # out of space, even after eviction
+
+    # version / key / write / params
+    INVALID_VERSION = -300              # here: a segment epoch older than the one mounted
+    INVALID_KEY = -400
+    WRITE_FAIL = -500
+    INVALID_PARAMS = -600
+
+    # read / write / replica
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    INVALID_REPLICA = -702
+    REPLICA_IS_NOT_READY = -703         # the object exists but no replica can be read now
+
+    # object
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+
+    # transfer / RPC
+    TRANSFER_FAIL = -800
+    CHECKSUM_MISMATCH = -801
+    RPC_FAIL = -900
+
+    # etcd / HA
+    ETCD_OPERATION_ERROR = -1000
+    ETCD_KEY_NOT_EXIST = -1001
+    ETCD_TRANSACTION_FAIL = -1002
+    ETCD_CTX_CANCELLED = -1003
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    UNAVAILABLE_IN_CURRENT_MODE = -1011
+
+    # file
+    FILE_NOT_FOUND = -1100
+    FILE_OPEN_FAIL = -1101
+    FILE_READ_FAIL = -1102
+    FILE_WRITE_FAIL = -1103
+    FILE_INVALID_BUFFER = -1104
+    FILE_LOCK_FAIL = -1105
+    FILE_INVALID_HANDLE = -1106
+
+    # tasks
+    TASK_NOT_FOUND = -1400
+
+
+#: What a client reports when the master could not be asked at all.
+RPC_FAIL = ErrorCode.RPC_FAIL
+
+
+def code_name(code: int) -> str:
+    """The ErrorCode name of `code`, or the number itself when it is not one."""
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
+__all__ = ["RPC_FAIL", "ErrorCode", "code_name"]

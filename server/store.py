@@ -1,0 +1,1242 @@
+"""The KV store's object index: what hixl-master's `Master` service serves.
+
+`ObjectStore` is a plain thread-safe object (no gRPC inside; tests drive it with an
+injected clock). It maps key -> object {size, replicas on mounted segments, read lease,
+pins} and hands out space in the segments clients contribute. It holds metadata only:
+the bytes move client to client over the transfer engine.
+
+Semantics (Mooncake Store's master, plus persistence):
+
+- **Two-phase put.** `put_start` allocates replicas (state INIT) on distinct segments;
+  the value becomes visible only at `put_end`; `put_revoke` frees it. An upsert replaces
+  the committed value only at its `put_end`. A put left unfinished for
+  `put_start_discard_timeout_s` may be pre-empted by a new put of the key; its space is
+  reclaimed only after `put_start_release_timeout_s` (a stale writer may still write).
+- **Allocation.** One offset allocator per mounted segment (first fit, 64-byte aligned,
+  coalescing frees). Strategies: `random` (Mooncake's default) and `free_ratio_first`,
+  after preferred segments and, if asked, the caller's node. Replicas land on distinct
+  segments; fewer segments with room than `replica_num` gives fewer replicas (at least
+  one), as in Mooncake.
+- **Leases.** `get_replicas` and `exist_keys` lease the object for
+  `default_kv_lease_ttl_ms`: until then it is neither evicted nor removed (unless
+  forced), and even a forced removal or an upsert keeps its space until the lease ends,
+  so a read under lease is never torn.
+- **Eviction.** When usage crosses `eviction_high_watermark_ratio`, or a put finds no
+  space, about `eviction_ratio` of the capacity is evicted, least recently used first,
+  soft-pinned objects last, never leased, hard-pinned or in-progress ones.
+- **Clients.** Mounting registers a client; heartbeats keep it for `client_ttl_s`. An
+  expired client's segments are unmounted at once (they stop receiving allocations;
+  replicas on them go; objects left with none are removed); an unknown client's
+  heartbeat is answered NEED_REMOUNT.
+- **Persistence** (Mooncake loses every key on restart; this does not): with a data
+  dir, every committed change (mount, unmount, put end, removal, eviction) goes to an
+  append-only journal, fsync'd before the call returns (group commit: one fsync serves
+  every caller waiting at the time), with periodic snapshots that truncate it. Space is
+  handed out again only once its release is durable, so a restart never resurrects a key
+  over memory already given to another. On start, snapshot + journal are replayed (a
+  torn last record is ignored with a warning); segments come back *awaiting remount*:
+  their objects are served again once the owner remounts the same engine, segment id,
+  epoch, base and length; a newer epoch means the memory was lost, and its objects are
+  dropped. Puts in progress were never committed and are gone; leases are not kept, but
+  every restored object starts with a fresh one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import fcntl
+import heapq
+import itertools
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hixl.errors import ConfigError
+from hixl.registry_client import EngineEndpoints
+from hixl.store_client import (
+    ClientStatus,
+    CountResult,
+    GetReplicasResult,
+    HeartbeatResult,
+    MountedSegment,
+    PutStartResult,
+    Replica,
+    ReplicaConfig,
+    ReplicaState,
+    SegmentResult,
+    SoftPinAction,
+    StoreSegment,
+)
+from hixl.store_codes import ErrorCode
+
+log = logging.getLogger("hixl.store")
+
+_T = TypeVar("_T")
+
+ALIGNMENT = 64
+MAX_KEY_BYTES = 4096
+MAX_REPLICAS = 64
+MAX_SOFT_PIN_TTL_MS = 24 * 3600 * 1000       # Mooncake's cap
+MAX_U64 = (1 << 64) - 1
+ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
+
+
+class AllocationStrategy(str, enum.Enum):
+    RANDOM = "random"
+    FREE_RATIO_FIRST = "free_ratio_first"
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Settings of an ObjectStore (mooncake_master's, in its units where it has them)."""
+
+    default_kv_lease_ttl_ms: int = 5_000
+    default_kv_soft_pin_ttl_ms: int = 30 * 60 * 1000
+    eviction_high_watermark_ratio: float = 0.95
+    eviction_ratio: float = 0.05
+    client_ttl_s: float = 10.0
+    allocation_strategy: str = "random"
+    put_start_discard_timeout_s: float = 30.0
+    put_start_release_timeout_s: float = 600.0
+    #: how long segments restored after a restart wait for their owner to remount them
+    remount_grace_s: float = 60.0
+    #: journal records between snapshots (a snapshot truncates the journal)
+    snapshot_every_records: int = 100_000
+    fsync: bool = True
+
+    def check(self) -> None:
+        """ConfigError naming the first unusable setting."""
+        positive = ("default_kv_lease_ttl_ms", "default_kv_soft_pin_ttl_ms", "client_ttl_s",
+                    "put_start_discard_timeout_s", "put_start_release_timeout_s",
+                    "remount_grace_s", "snapshot_every_records")
+        for name in positive:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"store option {name} must be positive, got {value!r}")
+        for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"store option {name} must be in [0, 1], got {value!r}")
+        if self.allocation_strategy not in ALLOCATION_STRATEGIES:
+            raise ConfigError(f"store option allocation_strategy must be one of "
+                              f"{', '.join(ALLOCATION_STRATEGIES)}, got "
+                              f"{self.allocation_strategy!r}")
+        if self.put_start_release_timeout_s < self.put_start_discard_timeout_s:
+            raise ConfigError("store option put_start_release_timeout_s must be at least "
+                              "put_start_discard_timeout_s")
+
+
+# ---------------------------------------------------------------------------- allocator
+
+
+def _align(size: int, alignment: int) -> int:
+    return (size + alignment - 1) // alignment * alignment
+
+
+class OffsetAllocator:
+    """First-fit allocator of [0, capacity): aligned blocks, frees coalesce with neighbours.
+
+    Free blocks are kept sorted by offset (bisect), so a free merges with the blocks on
+    either side in O(log n); an allocation scans for the first block that fits.
+    """
+
+    def __init__(self, capacity: int, alignment: int = ALIGNMENT) -> None:
+        self.capacity = capacity
+        self.alignment = alignment
+        self._starts: list[int] = [0] if capacity else []
+        self._free: dict[int, int] = {0: capacity} if capacity else {}
+        self._used: dict[int, int] = {}
+        self.used = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+    def largest_free(self) -> int:
+        return max(self._free.values(), default=0)
+
+    def fragmentation(self) -> float:
+        """1 - largest free block / free bytes: 0 when all free space is one block."""
+        free = self.free_bytes
+        return 0.0 if free == 0 else 1.0 - self.largest_free() / free
+
+    def allocate(self, size: int) -> int | None:
+        """Offset of a new block of at least `size` bytes, or None when none fits."""
+        need = _align(max(size, 1), self.alignment)
+        if need > self.free_bytes:
+            return None
+        for index, start in enumerate(self._starts):
+            length = self._free[start]
+            if length < need:
+                continue
+            del self._free[start]
+            if length == need:
+                del self._starts[index]
+            else:
+                self._starts[index] = start + need
+                self._free[start + need] = length - need
+            self._used[start] = need
+            self.used += need
+            return start
+        return None
+
+    def reserve(self, offset: int, size: int) -> bool:
+        """Mark [offset, offset+aligned size) allocated (replay); False if it is not free."""
+        need = _align(max(size, 1), self.alignment)
+        index = bisect.bisect_right(self._starts, offset) - 1
+        if index < 0:
+            return False
+        start = self._starts[index]
+        length = self._free[start]
+        if offset + need > start + length:
+            return False
+        del self._free[start]
+        del self._starts[index]
+        if offset > start:
+            self._insert_free(start, offset - start)
+        end = offset + need
+        if end < start + length:
+            self._insert_free(end, start + length - end)
+        self._used[offset] = need
+        self.used += need
+        return True
+
+    def free(self, offset: int) -> int:
+        """Release the block at `offset`; returns its size (KeyError if not allocated)."""
+        size = self._used.pop(offset)
+        self.used -= size
+        start, length = offset, size
+        index = bisect.bisect_left(self._starts, start)
+        if index < len(self._starts) and self._starts[index] == start + length:
+            length += self._free.pop(self._starts[index])
+            del self._starts[index]
+        if index > 0:
+            prev = self._starts[index - 1]
+            if prev + self._free[prev] == start:
+                self._free[prev] += length
+                return size
+        self._insert_free(start, length)
+        return size
+
+    def block_size(self, offset: int) -> int:
+        return self._used[offset]
+
+    def _insert_free(self, start: int, length: int) -> None:
+        bisect.insort(self._starts, start)
+        self._free[start] = length
+
+
+# ---------------------------------------------------------------------------- journal
+
+_FRAME = struct.Struct("<II")  # payload length, crc32 of payload
+
+
+def _encode(record: dict[str, Any]) -> bytes:
+    payload = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def read_journal(path: Path) -> tuple[list[dict[str, Any]], int, int]:
+    """(records, end of the last whole record, file size): a torn or corrupt tail stops it."""
+    data = path.read_bytes()
+    records: list[dict[str, Any]] = []
+    pos = 0
+    while pos + _FRAME.size <= len(data):
+        length, crc = _FRAME.unpack_from(data, pos)
+        payload = data[pos + _FRAME.size:pos + _FRAME.size + length]
+        if len(payload) < length or zlib.crc32(payload) != crc:
+            break
+        try:
+            records.append(json.loads(payload))
+        except ValueError:
+            break
+        pos += _FRAME.size + length
+    return records, pos, len(data)
+
+
+class Journal:
+    """Append-only, CRC-framed journal file with group commit.
+
+    `append` writes under the store's lock (so records are in mutation order) and
+    returns the position after the record; `sync(position)` is called after the lock is
+    released and returns once the record is on disk. Callers that arrive while an fsync
+    runs wait for it and then find themselves covered by the next one, so one fsync
+    serves everyone who was waiting.
+    """
+
+    def __init__(self, path: Path, *, fsync: bool = True) -> None:
+        self.path = path
+        self._fsync = fsync
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self.written = os.fstat(self._fd).st_size
+        self._durable = self.written
+        self.records = 0
+        self._sync_lock = threading.Lock()
+
+    def append(self, record: dict[str, Any]) -> int:
+        frame = _encode(record)
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(self._fd, view):]
+        self.written += len(frame)
+        self.records += 1
+        return self.written
+
+    def sync(self, position: int | None = None) -> None:
+        """Return once everything up to `position` (default: all written) is durable."""
+        target = self.written if position is None else position
+        if self._durable >= target:
+            return
+        with self._sync_lock:
+            if self._durable >= target:  # the fsync we waited for covered us
+                return
+            self._sync_locked()
+
+    def _sync_locked(self) -> None:
+        upto = self.written
+        if self._fsync and self._fd >= 0:
+            os.fsync(self._fd)
+        self._durable = max(self._durable, upto)
+
+    def close(self) -> None:
+        """Make everything durable and close; later sync() calls return at once."""
+        with self._sync_lock:
+            if self._fd < 0:
+                return
+            self._sync_locked()
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DataDir:
+    """A master's data directory: LOCK, snapshot-<gen>.json, journal-<gen>.log.
+
+    A snapshot of generation g holds everything before journal-g; journals of every
+    generation >= the newest readable snapshot are replayed in order. Only one master
+    may use a directory at a time (flock on LOCK).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                                    0o600)
+        except OSError as exc:
+            raise ConfigError(f"store data dir {self.path}: cannot use it: "
+                              f"{exc.strerror or exc}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise ConfigError(f"store data dir {self.path} is in use by another hixl-master "
+                              "(give each master its own --data-dir)") from None
+
+    def _generations(self, prefix: str, suffix: str) -> list[int]:
+        found = []
+        for entry in self.path.glob(f"{prefix}*{suffix}"):
+            middle = entry.name[len(prefix):-len(suffix)]
+            if middle.isdigit():
+                found.append(int(middle))
+        return sorted(found)
+
+    def snapshot_path(self, gen: int) -> Path:
+        return self.path / f"snapshot-{gen}.json"
+
+    def journal_path(self, gen: int) -> Path:
+        return self.path / f"journal-{gen}.log"
+
+    def load(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]], int]:
+        """(newest readable snapshot or None, journal records after it, the last generation).
+
+        A torn tail is cut off (with a warning) so appends continue after whole records.
+        """
+        snapshot: dict[str, Any] | None = None
+        base = 0
+        for gen in reversed(self._generations("snapshot-", ".json")):
+            try:
+                snapshot = json.loads(self.snapshot_path(gen).read_bytes())
+                base = gen
+                break
+            except (OSError, ValueError) as exc:
+                log.warning("store snapshot %s unreadable (%s); trying an older one",
+                            self.snapshot_path(gen), exc)
+        journals = [g for g in self._generations("journal-", ".log") if g >= base]
+        records: list[dict[str, Any]] = []
+        for gen in journals:
+            path = self.journal_path(gen)
+            got, good, size = read_journal(path)
+            records.extend(got)
+            if good < size:
+                log.warning("store journal %s: ignoring a torn or corrupt tail of %d bytes "
+                            "after %d whole records", path, size - good, len(got))
+                with open(path, "r+b") as f:
+                    f.truncate(good)
+        last = max([base, *journals])
+        return snapshot, records, last
+
+    def write_snapshot(self, gen: int, state: dict[str, Any]) -> None:
+        """Write snapshot-<gen> atomically, then delete what it supersedes."""
+        final = self.snapshot_path(gen)
+        tmp = final.with_suffix(".json.tmp")
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(state, separators=(",", ":"), ensure_ascii=False).encode())
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if self.fsync:
+            _fsync_dir(self.path)
+        for old in self._generations("snapshot-", ".json"):
+            if old < gen:
+                self.snapshot_path(old).unlink(missing_ok=True)
+        for old in self._generations("journal-", ".log"):
+            if old < gen:
+                self.journal_path(old).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+# ---------------------------------------------------------------------------- index
+
+
+@dataclass(eq=False)
+class _Segment:
+    info: StoreSegment
+    client_id: str
+    live: bool
+    allocator: OffsetAllocator
+    keys: set[str] = field(default_factory=set)         # committed objects with a replica here
+    puts: set[int] = field(default_factory=set)         # pending puts with a replica here
+
+    @property
+    def ident(self) -> tuple[str, int]:
+        return self.info.engine, self.info.segment_id
+
+    def same_memory(self, info: StoreSegment) -> bool:
+        mine = self.info
+        return (mine.epoch, mine.base, mine.length) == (info.epoch, info.base, info.length)
+
+
+@dataclass(eq=False)
+class _Replica:
+    replica_id: int
+    segment: _Segment
+    offset: int
+    length: int
+
+    def describe(self, state: ReplicaState) -> Replica:
+        info = self.segment.info
+        return Replica(self.replica_id, info.engine, info.segment_id, info.epoch,
+                       info.base + self.offset, self.length, info.node_id, state)
+
+    def record(self) -> list[Any]:
+        info = self.segment.info
+        return [self.replica_id, info.engine, info.segment_id, info.epoch, self.offset,
+                self.length]
+
+
+@dataclass(eq=False)
+class _Object:
+    size: int
+    replicas: list[_Replica]
+    hard_pin: bool = False
+    soft_pin_until: float = 0.0
+    lease_until: float = 0.0
+
+    def record(self, key: str) -> list[Any]:
+        return [key, self.size, self.hard_pin, [r.record() for r in self.replicas]]
+
+
+@dataclass(eq=False)
+class _Put:
+    put_id: int
+    key: str
+    client_id: str
+    size: int
+    replicas: list[_Replica]
+    started: float
+    config: ReplicaConfig
+
+
+#: (journal, position after a record), or None without persistence.
+_Mark = tuple["Journal", int] | None
+
+
+def _segment_record(segment: _Segment) -> dict[str, Any]:
+    info = segment.info
+    ep = info.endpoints
+    return {"c": segment.client_id, "e": info.engine, "i": info.segment_id, "p": info.epoch,
+            "b": info.base, "l": info.length, "n": info.node_id, "m": info.name,
+            "x": [ep.fabric_domain, ep.data_tcp, ep.data_unix, ep.fd_socket]}
+
+
+def _segment_from_record(record: dict[str, Any]) -> tuple[str, StoreSegment]:
+    endpoints = EngineEndpoints(*record.get("x", ("", "", "", "")))
+    return record["c"], StoreSegment(record["e"], record["i"], record["p"], record["b"],
+                                     record["l"], record.get("n", ""), endpoints,
+                                     record.get("m", ""))
+
+
+class ObjectStore:
+    """Thread-safe object index over mounted segments; see the module docstring.
+
+    Per-key outcomes are ErrorCode values (returned, never raised). With `data_dir`,
+    committed metadata survives restarts; without it, the store lives in memory only.
+    """
+
+    def __init__(self, options: StoreOptions | None = None, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 data_dir: str | os.PathLike[str] | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.options = options or StoreOptions()
+        self.options.check()
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._lock = threading.RLock()
+        self._objects: OrderedDict[str, _Object] = OrderedDict()   # LRU order, oldest first
+        self._puts: dict[int, _Put] = {}
+        self._puts_by_key: dict[str, _Put] = {}
+        self._segments: dict[tuple[str, int], _Segment] = {}
+        self._clients: dict[str, float] = {}                       # client id -> deadline
+        # Every timed event (client expiry, stale put release, deferred free, remount
+        # grace) as (when, seq, kind, subject); entries made stale by later changes are
+        # recognised and skipped when they come up, so no operation scans everything.
+        self._deadlines: list[tuple[float, int, str, Any]] = []
+        self._deadline_seq = itertools.count()
+        self._replica_ids = itertools.count(1)
+        self._put_ids = itertools.count(secrets.randbits(40) << 16 | 1)
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("puts", "evicted", "evictions", "expired_clients", "preempted_puts",
+             "released_puts"), 0)
+        self._snapshot_lock = threading.Lock()
+        self._journal: Journal | None = None
+        self._dir: DataDir | None = None
+        self._gen = 0
+        if data_dir is not None:
+            self._dir = DataDir(data_dir, fsync=self.options.fsync)
+            try:
+                self._recover()
+            except BaseException:
+                self._dir.close()
+                raise
+
+    @property
+    def persistent(self) -> bool:
+        """True when committed changes go to a data dir (calls may wait for an fsync)."""
+        return self._dir is not None
+
+    # -- clients and segments ------------------------------------------------------------
+
+    def heartbeat(self, client_id: str) -> HeartbeatResult:
+        """Keep `client_id` alive; an unknown one is registered and told to remount."""
+        ttl_ms = int(self.options.client_ttl_s * 1000)
+        with self._lock:
+            now = self._sweep_locked()
+            known = client_id in self._clients
+            if client_id:
+                self._touch_client_locked(client_id, now)
+        return HeartbeatResult(ClientStatus.OK if known else ClientStatus.NEED_REMOUNT, ttl_ms)
+
+    def mount_segment(self, client_id: str, segment: StoreSegment) -> SegmentResult:
+        """Add `segment` (owned by `client_id`) to the space puts allocate from.
+
+        Remounting the same memory (engine, segment id, epoch, base, length) is
+        idempotent, moves ownership to the caller, and brings back the objects of a
+        segment restored after a restart. A newer epoch replaces the segment (its objects
+        are dropped: the memory was lost); an older one is refused (INVALID_VERSION).
+        """
+        problem = self._check_segment(client_id, segment)
+        if problem:
+            return SegmentResult(ErrorCode.INVALID_PARAMS, problem)
+        with self._lock:
+            now = self._sweep_locked()
+            self._touch_client_locked(client_id, now)
+            result = self._mount_locked(client_id, segment)
+            mark = self._mark_locked() if result.code == ErrorCode.OK else None
+        return self._after_commit(result, mark)
+
+    def _mount_locked(self, client_id: str, segment: StoreSegment) -> SegmentResult:
+        held = self._segments.get((segment.engine, segment.segment_id))
+        name = f"segment {segment.engine}/{segment.segment_id}"
+        if held is not None:
+            if segment.epoch < held.info.epoch:
+                return SegmentResult(ErrorCode.INVALID_VERSION,
+                                     f"{name}: epoch {segment.epoch} is older than the "
+                                     f"mounted epoch {held.info.epoch}")
+            if held.same_memory(segment):
+                restored = 0 if held.live else len(held.keys)
+                held.client_id, held.live, held.info = client_id, True, segment
+                self._journal_locked({"t": "mount", **_segment_record(held)})
+                log.info("%s %s by client %s (%d objects)", name,
+                         "remounted" if restored else "mounted again", client_id, restored)
+                return SegmentResult(ErrorCode.OK, "", restored)
+            if segment.epoch == held.info.epoch and held.live:
+                return SegmentResult(ErrorCode.SEGMENT_ALREADY_EXISTS,
+                                     f"{name} epoch {segment.epoch} is mounted with base "
+                                     f"{held.info.base:#x} length {held.info.length}; "
+                                     "unmount it first")
+            dropped = self._unmount_locked(held, "replaced by a new epoch")
+            log.info("%s: epoch %d replaces %d; %d objects dropped", name, segment.epoch,
+                     held.info.epoch, dropped)
+        mounted = _Segment(segment, client_id, True, OffsetAllocator(segment.length))
+        self._segments[mounted.ident] = mounted
+        self._journal_locked({"t": "mount", **_segment_record(mounted)})
+        return SegmentResult(ErrorCode.OK)
+
+    def unmount_segment(self, client_id: str, engine: str, segment_id: int) -> SegmentResult:
+        """Withdraw a segment: its replicas go; objects left with none are removed."""
+        with self._lock:
+            self._sweep_locked()
+            held = self._segments.get((engine, segment_id))
+            if held is None:
+                return SegmentResult(ErrorCode.SEGMENT_NOT_FOUND,
+                                     f"segment {engine}/{segment_id} is not mounted")
+            if held.client_id != client_id:
+                return SegmentResult(ErrorCode.INVALID_PARAMS,
+                                     f"segment {engine}/{segment_id} belongs to client "
+                                     f"{held.client_id}, not {client_id}")
+            dropped = self._unmount_locked(held, "unmounted")
+            mark = self._journal_locked({"t": "unmount", "e": engine, "i": segment_id})
+        return self._after_commit(SegmentResult(ErrorCode.OK, "", dropped), mark)
+
+    def list_segments(self) -> list[MountedSegment]:
+        with self._lock:
+            self._sweep_locked()
+            return [MountedSegment(s.info, s.client_id, s.live, s.allocator.used)
+                    for s in self._segments.values()]
+
+    # -- puts ----------------------------------------------------------------------------
+
+    def put_start(self, client_id: str, items: Sequence[tuple[str, int]],
+                  config: ReplicaConfig | None = None, *, node_id: str = "",
+                  upsert: bool = False) -> list[PutStartResult]:
+        """Allocate replicas for each (key, value length); the value is invisible until put_end."""
+        config = config or ReplicaConfig()
+        problem = self._check_config(config)
+        if problem or not client_id:
+            code = ErrorCode.INVALID_PARAMS
+            log.debug("put_start refused: %s", problem or "no client id")
+            return [PutStartResult(code) for _ in items]
+        results: list[PutStartResult] = []
+        with self._lock:
+            now = self._sweep_locked()
+            self._evict_above_watermark_locked(now)
+            for key, size in items:
+                results.append(self._put_start_one_locked(client_id, key, size, config,
+                                                          node_id, upsert, now))
+            mark = self._mark_locked()
+        # Space freed by removals/evictions is handed out only once the release is durable.
+        return self._after_commit(results, mark)
+
+    def _put_start_one_locked(self, client_id: str, key: str, size: int,
+                              config: ReplicaConfig, node_id: str, upsert: bool,
+                              now: float) -> PutStartResult:
+        if not self._valid_key(key):
+            return PutStartResult(ErrorCode.INVALID_KEY)
+        if not isinstance(size, int) or not 0 < size <= MAX_U64:
+            return PutStartResult(ErrorCode.INVALID_PARAMS)
+        if key in self._objects and not upsert:
+            return PutStartResult(ErrorCode.OBJECT_ALREADY_EXISTS)
+        pending = self._puts_by_key.get(key)
+        if pending is not None:
+            if now - pending.started < self.options.put_start_discard_timeout_s:
+                return PutStartResult(ErrorCode.OBJECT_ALREADY_EXISTS)
+            log.info("put of %r by client %s unfinished for %.0f s: pre-empted", key,
+                     pending.client_id, now - pending.started)
+            self._counters["preempted_puts"] += 1
+            self._drop_put_locked(pending, pending.started
+                                  + self.options.put_start_release_timeout_s)
+        replicas = self._allocate_locked(size, config, node_id)
+        if not replicas and self._could_ever_fit_locked(size):
+            # One replica is enough (best effort), so free room for one.
+            target = max(int(self._capacity_locked() * self.options.eviction_ratio), size)
+            if self._evict_locked(target, now):
+                replicas = self._allocate_locked(size, config, node_id)
+        if not replicas:
+            return PutStartResult(ErrorCode.NO_AVAILABLE_HANDLE)
+        put = _Put(next(self._put_ids), key, client_id, size, replicas, now, config)
+        self._puts[put.put_id] = put
+        self._puts_by_key[key] = put
+        self._at_locked(now + self.options.put_start_release_timeout_s, "put", put)
+        for replica in replicas:
+            replica.segment.puts.add(put.put_id)
+        return PutStartResult(ErrorCode.OK, put.put_id,
+                              tuple(r.describe(ReplicaState.INIT) for r in replicas))
+
+    def put_end(self, client_id: str, puts: Sequence[tuple[str, int]]) -> list[int]:
+        """Commit each (key, put_id): visible from now on, replacing an upserted value."""
+        codes: list[int] = []
+        committed: list[list[Any]] = []
+        with self._lock:
+            now = self._sweep_locked()
+            for key, put_id in puts:
+                put = self._find_put_locked(client_id, key, put_id)
+                if isinstance(put, int):
+                    codes.append(put)
+                    continue
+                self._forget_put_locked(put)
+                old = self._objects.pop(key, None)
+                soft_until = 0.0
+                if old is not None:
+                    soft_until = old.soft_pin_until
+                    self._release_object_locked(key, old, now)
+                action = put.config.soft_pin_action
+                if action == SoftPinAction.ENABLE:
+                    ttl_ms = put.config.soft_pin_ttl_ms or self.options.default_kv_soft_pin_ttl_ms
+                    soft_until = now + ttl_ms / 1000
+                elif action == SoftPinAction.DISABLE:
+                    soft_until = 0.0
+                obj = _Object(put.size, put.replicas, put.config.with_hard_pin, soft_until)
+                self._install_locked(key, obj)
+                self._counters["puts"] += 1
+                committed.append(obj.record(key))
+                codes.append(ErrorCode.OK)
+            mark = self._journal_locked({"t": "put", "o": committed}) if committed else None
+        return self._after_commit(codes, mark)
+
+    def put_revoke(self, client_id: str, puts: Sequence[tuple[str, int]]) -> list[int]:
+        """Abandon each (key, put_id): its space is freed; a committed value is untouched."""
+        codes: list[int] = []
+        with self._lock:
+            self._sweep_locked()
+            for key, put_id in puts:
+                put = self._find_put_locked(client_id, key, put_id)
+                if isinstance(put, int):
+                    codes.append(put)
+                    continue
+                self._drop_put_locked(put, 0.0)  # the writer itself gave up: free now
+                codes.append(ErrorCode.OK)
+        return codes
+
+    def _find_put_locked(self, client_id: str, key: str, put_id: int) -> _Put | int:
+        put = self._puts.get(put_id)
+        if put is None or put.key != key:
+            return ErrorCode.OBJECT_NOT_FOUND
+        if put.client_id != client_id:
+            return ErrorCode.INVALID_PARAMS
+        return put
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get_replicas(self, keys: Sequence[str]) -> list[GetReplicasResult]:
+        """Readable replicas of each key, leasing each object found."""
+        ttl_ms = self.options.default_kv_lease_ttl_ms
+        results = []
+        with self._lock:
+            now = self._sweep_locked()
+            for key in keys:
+                code, obj, live = self._readable_locked(key, now, lease=True)
+                if obj is None or code != ErrorCode.OK:
+                    results.append(GetReplicasResult(code))
+                    continue
+                results.append(GetReplicasResult(
+                    ErrorCode.OK, obj.size,
+                    tuple(r.describe(ReplicaState.COMPLETE) for r in live), ttl_ms))
+        return results
+
+    def exist_keys(self, keys: Sequence[str]) -> list[int]:
+        """OK (stored and readable; leased, as in Mooncake), OBJECT_NOT_FOUND, or
+        REPLICA_IS_NOT_READY (stored, but awaiting its segment's remount)."""
+        with self._lock:
+            now = self._sweep_locked()
+            return [self._readable_locked(key, now, lease=True)[0] for key in keys]
+
+    def get_sizes(self, keys: Sequence[str]) -> list[int]:
+        """Each value's size, or a negative ErrorCode (no lease)."""
+        with self._lock:
+            now = self._sweep_locked()
+            sizes = []
+            for key in keys:
+                code, obj, _ = self._readable_locked(key, now, lease=False)
+                sizes.append(obj.size if obj is not None and code == ErrorCode.OK else code)
+            return sizes
+
+    def _readable_locked(self, key: str, now: float, *, lease: bool,
+                         ) -> tuple[int, _Object | None, list[_Replica]]:
+        obj = self._objects.get(key)
+        if obj is None:
+            return ErrorCode.OBJECT_NOT_FOUND, None, []
+        live = [r for r in obj.replicas if r.segment.live]
+        if not live:
+            return ErrorCode.REPLICA_IS_NOT_READY, obj, []
+        if lease:  # a read (or exist): an access for LRU, and a lease
+            self._objects.move_to_end(key)
+            obj.lease_until = max(obj.lease_until,
+                                  now + self.options.default_kv_lease_ttl_ms / 1000)
+        return ErrorCode.OK, obj, live
+
+    # -- removal -------------------------------------------------------------------------
+
+    def remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
+        """Remove each key; OBJECT_HAS_LEASE while leased unless `force` (the space then
+        waits for the lease to end)."""
+        codes: list[int] = []
+        removed: list[str] = []
+        with self._lock:
+            now = self._sweep_locked()
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None:
+                    codes.append(ErrorCode.OBJECT_NOT_FOUND)
+                elif obj.lease_until > now and not force:
+                    codes.append(ErrorCode.OBJECT_HAS_LEASE)
+                else:
+                    self._remove_locked(key, now)
+                    removed.append(key)
+                    codes.append(ErrorCode.OK)
+            mark = self._journal_locked({"t": "rm", "k": removed}) if removed else None
+        return self._after_commit(codes, mark)
+
+    def remove_by_regex(self, regex: str, *, force: bool = False) -> CountResult:
+        try:
+            pattern = re.compile(regex)
+        except (re.error, TypeError) as exc:
+            return CountResult(ErrorCode.INVALID_PARAMS, 0, f"bad regex {regex!r}: {exc}")
+        return self._remove_matching(pattern.search, force)
+
+    def remove_all(self, *, force: bool = False) -> CountResult:
+        """Remove every committed object (leased ones stay unless force)."""
+        return self._remove_matching(lambda key: True, force)
+
+    def _remove_matching(self, match: Callable[[str], object], force: bool) -> CountResult:
+        with self._lock:
+            now = self._sweep_locked()
+            doomed = [key for key, obj in self._objects.items()
+                      if match(key) and (force or obj.lease_until <= now)]
+            for key in doomed:
+                self._remove_locked(key, now)
+            mark = self._journal_locked({"t": "rm", "k": doomed}) if doomed else None
+        return self._after_commit(CountResult(ErrorCode.OK, len(doomed)), mark)
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Periodic upkeep: expiries, stale puts, deferred frees, watermark eviction,
+        snapshot when the journal has grown. Call it every ~100 ms."""
+        with self._lock:
+            now = self._sweep_locked()
+            self._evict_above_watermark_locked(now)
+            journal = self._journal
+            due = journal is not None and journal.records >= self.options.snapshot_every_records
+        if journal is not None:
+            journal.sync()
+        if due:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        """Write a snapshot of the committed state and start a new, empty journal."""
+        if self._dir is None:
+            return
+        with self._snapshot_lock:
+            with self._lock:
+                state = self._state_locked()
+                old = self._journal
+                self._gen += 1
+                state["gen"] = self._gen
+                self._journal = Journal(self._dir.journal_path(self._gen),
+                                        fsync=self.options.fsync)
+            if old is not None:
+                old.close()
+            self._dir.write_snapshot(state["gen"], state)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            self._sweep_locked()
+            live = [s for s in self._segments.values() if s.live]
+            capacity = sum(s.allocator.capacity for s in live)
+            used = sum(s.allocator.used for s in live)
+            free = capacity - used
+            # per segment: an allocation never spans segments
+            largest = sum(s.allocator.largest_free() for s in live)
+            return {
+                "keys": float(len(self._objects)),
+                "puts_in_progress": float(len(self._puts)),
+                "segments": float(len(live)),
+                "segments_awaiting_remount": float(len(self._segments) - len(live)),
+                "clients": float(len(self._clients)),
+                "capacity": float(capacity),
+                "used": float(used),
+                "usage": used / capacity if capacity else 0.0,
+                "fragmentation": 0.0 if free == 0 else 1.0 - largest / free,
+                "retired_bytes": float(sum(
+                    r.segment.allocator.block_size(r.offset)
+                    for _, _, kind, r in self._deadlines if kind == "free" and self._owns(r))),
+                **{name: float(value) for name, value in self._counters.items()},
+            }
+
+    def close(self, *, snapshot: bool = True) -> None:
+        """Release the data dir, after a snapshot so the next start replays little.
+
+        snapshot=False leaves the directory as a crash would (the journal as written).
+        """
+        if self._dir is None:
+            return
+        if snapshot:
+            self.snapshot()
+        with self._lock:
+            if self._journal is not None:
+                self._journal.close()
+                self._journal = None
+            self._dir.close()
+            self._dir = None
+
+    # -- internals: checks -------------------------------------------------------------
+
+    @staticmethod
+    def _valid_key(key: object) -> bool:
+        return (isinstance(key, str) and bool(key)
+                and len(key.encode("utf-8", "surrogatepass")) <= MAX_KEY_BYTES)
+
+    @staticmethod
+    def _check_segment(client_id: str, segment: StoreSegment) -> str:
+        if not client_id:
+            return "client id must not be empty"
+        if not segment.engine:
+            return "segment engine name must not be empty"
+        if segment.length <= 0 or segment.base + segment.length > MAX_U64 + 1:
+            return (f"segment {segment.engine}/{segment.segment_id}: bad range base "
+                    f"{segment.base:#x} length {segment.length}")
+        return ""
+
+    @staticmethod
+    def _check_config(config: ReplicaConfig) -> str:
+        if not 1 <= config.replica_num <= MAX_REPLICAS:
+            return f"replica_num must be in [1, {MAX_REPLICAS}], got {config.replica_num}"
+        if not 0 <= config.soft_pin_ttl_ms <= MAX_SOFT_PIN_TTL_MS:
+            return f"soft_pin_ttl_ms must be in [0, {MAX_SOFT_PIN_TTL_MS}]"
+        return ""
+
+    # -- internals: allocation ---------------------------------------------------------
+
+    def _capacity_locked(self) -> int:
+        return sum(s.allocator.capacity for s in self._segments.values() if s.live)
+
+    def _used_locked(self) -> int:
+        return sum(s.allocator.used for s in self._segments.values() if s.live)
+
+    def _could_ever_fit_locked(self, size: int) -> bool:
+        """Some live segment is big enough (else eviction would free room for nothing)."""
+        need = _align(size, ALIGNMENT)
+        return any(s.live and s.allocator.capacity >= need for s in self._segments.values())
+
+    def _candidates_locked(self, config: ReplicaConfig, node_id: str) -> list[_Segment]:
+        """Live segments in the order replicas should try them."""
+        live = [s for s in self._segments.values() if s.live]
+        by_engine: dict[str, list[_Segment]] = {}
+        for segment in live:
+            by_engine.setdefault(segment.info.engine, []).append(segment)
+            if segment.info.name:
+                by_engine.setdefault(segment.info.name, []).append(segment)
+        ordered: list[_Segment] = []
+        seen: set[int] = set()
+
+        def take(segments: Iterable[_Segment]) -> None:
+            for segment in segments:
+                if id(segment) not in seen:
+                    seen.add(id(segment))
+                    ordered.append(segment)
+
+        for name in config.preferred_segments:
+            take(self._by_strategy(by_engine.get(name, [])))
+        if config.prefer_alloc_in_same_node and node_id:
+            take(self._by_strategy([s for s in live if s.info.node_id == node_id]))
+        take(self._by_strategy(live))
+        return ordered
+
+    def _by_strategy(self, segments: list[_Segment]) -> list[_Segment]:
+        shuffled = list(segments)
+        self._rng.shuffle(shuffled)
+        if self.options.allocation_strategy == AllocationStrategy.FREE_RATIO_FIRST:
+            shuffled.sort(key=lambda s: s.allocator.free_bytes / s.allocator.capacity,
+                          reverse=True)  # stable: equal ratios stay in random order
+        return shuffled
+
+    def _allocate_locked(self, size: int, config: ReplicaConfig,
+                         node_id: str) -> list[_Replica]:
+        replicas: list[_Replica] = []
+        for segment in self._candidates_locked(config, node_id):
+            if len(replicas) == config.replica_num:
+                break
+            offset = segment.allocator.allocate(size)
+            if offset is not None:
+                replicas.append(_Replica(next(self._replica_ids), segment, offset, size))
+        return replicas
+
+    # -- internals: eviction -----------------------------------------------------------
+
+    def _evict_above_watermark_locked(self, now: float) -> None:
+        capacity = self._capacity_locked()
+        if capacity and self._used_locked() > capacity * self.options.eviction_high_watermark_ratio:
+            self._evict_locked(int(capacity * self.options.eviction_ratio), now)
+
+    def _evict_locked(self, target: int, now: float) -> int:
+        """Evict least recently used objects until `target` bytes of live space are freed:
+        soft-pinned ones only if the others are not enough; never leased, hard-pinned or
+        in-progress ones. Returns the bytes freed."""
+        if target <= 0:
+            return 0
+        plain: list[str] = []
+        pinned: list[str] = []
+        for key, obj in self._objects.items():
+            if obj.hard_pin or obj.lease_until > now or key in self._puts_by_key:
+                continue
+            if not any(r.segment.live for r in obj.replicas):
+                continue  # frees nothing allocations could use
+            (pinned if obj.soft_pin_until > now else plain).append(key)
+        freed = 0
+        victims: list[str] = []
+        for key in itertools.chain(plain, pinned):
+            if freed >= target:
+                break
+            obj = self._objects[key]
+            freed += sum(r.segment.allocator.block_size(r.offset)
+                         for r in obj.replicas if r.segment.live)
+            self._remove_locked(key, now)
+            victims.append(key)
+        if victims:
+            self._counters["evictions"] += 1
+            self._counters["evicted"] += len(victims)
+            log.info("evicted %d objects (%d bytes)", len(victims), freed)
+            self._journal_locked({"t": "rm", "k": victims})
+        return freed
+
+    # -- internals: index changes ------------------------------------------------------
+
+    def _owns(self, replica: _Replica) -> bool:
+        """The replica's segment is still the mounted one (its allocator still counts)."""
+        return self._segments.get(replica.segment.ident) is replica.segment
+
+    def _free_replica_locked(self, replica: _Replica, until: float, now: float) -> None:
+        if not self._owns(replica):
+            return
+        if until > now:
+            self._at_locked(until, "free", replica)
+        else:
+            replica.segment.allocator.free(replica.offset)
+
+    def _install_locked(self, key: str, obj: _Object) -> None:
+        self._objects[key] = obj
+        self._objects.move_to_end(key)
+        for replica in obj.replicas:
+            replica.segment.keys.add(key)
+
+    def _release_object_locked(self, key: str, obj: _Object, now: float) -> None:
+        """Detach a removed/replaced object; its space waits for its lease, if any."""
+        for replica in obj.replicas:
+            replica.segment.keys.discard(key)
+            self._free_replica_locked(replica, obj.lease_until, now)
+
+    def _remove_locked(self, key: str, now: float) -> None:
+        self._release_object_locked(key, self._objects.pop(key), now)
+
+    def _forget_put_locked(self, put: _Put) -> None:
+        del self._puts[put.put_id]
+        if self._puts_by_key.get(put.key) is put:
+            del self._puts_by_key[put.key]
+        for replica in put.replicas:
+            replica.segment.puts.discard(put.put_id)
+
+    def _drop_put_locked(self, put: _Put, release_at: float) -> None:
+        self._forget_put_locked(put)
+        now = self._clock()
+        for replica in put.replicas:
+            self._free_replica_locked(replica, release_at, now)
+
+    def _unmount_locked(self, segment: _Segment, why: str) -> int:
+        """Remove a segment: replicas on it go; objects left with none are removed.
+        Returns how many objects were removed."""
+        dropped = 0
+        for key in list(segment.keys):
+            obj = self._objects[key]
+            obj.replicas = [r for r in obj.replicas if r.segment is not segment]
+            if not obj.replicas:
+                del self._objects[key]
+                dropped += 1
+        for put_id in list(segment.puts):
+            put = self._puts[put_id]
+            put.replicas = [r for r in put.replicas if r.segment is not segment]
+            if not put.replicas:
+                self._forget_put_locked(put)
+        del self._segments[segment.ident]
+        log.info("segment %s/%s of client %s %s: %d objects dropped", segment.info.engine,
+                 segment.info.segment_id, segment.client_id, why, dropped)
+        return dropped
+
+    def _at_locked(self, when: float, kind: str, subject: Any) -> None:
+        heapq.heappush(self._deadlines, (when, next(self._deadline_seq), kind, subject))
+
+    def _touch_client_locked(self, client_id: str, now: float) -> None:
+        deadline = now + self.options.client_ttl_s
+        self._clients[client_id] = deadline
+        self._at_locked(deadline, "client", client_id)
+
+    def _sweep_locked(self) -> float:
+        """Apply every deadline that has passed (O(log n) each); returns now."""
+        now = self._clock()
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            when, _, kind, subject = heapq.heappop(deadlines)
+            if kind == "client":
+                if self._clients.get(subject) == when:  # not extended since
+                    self._expire_client_locked(subject)
+            elif kind == "free":
+                if self._owns(subject):
+                    subject.segment.allocator.free(subject.offset)
+            elif kind == "put":
+                if self._puts.get(subject.put_id) is subject:
+                    log.info("put of %r by client %s unfinished for %.0f s: released",
+                             subject.key, subject.client_id, now - subject.started)
+                    self._counters["released_puts"] += 1
+                    self._drop_put_locked(subject, 0.0)
+            elif (kind == "await" and self._segments.get(subject.ident) is subject
+                  and not subject.live):
+                self._unmount_locked(subject, "never remounted after the restart")
+                self._journal_locked({"t": "unmount", "e": subject.info.engine,
+                                      "i": subject.info.segment_id})
+        return now
+
+    def _expire_client_locked(self, client_id: str) -> None:
+        """Drop a client whose heartbeats stopped, and unmount its segments now."""
+        del self._clients[client_id]
+        self._counters["expired_clients"] += 1
+        for segment in [s for s in self._segments.values()
+                        if s.client_id == client_id and s.live]:
+            self._unmount_locked(segment, "lost: its client's heartbeats stopped")
+            self._journal_locked({"t": "unmount", "e": segment.info.engine,
+                                  "i": segment.info.segment_id})
+
+    # -- internals: persistence --------------------------------------------------------
+
+    def _journal_locked(self, record: dict[str, Any]) -> _Mark:
+        """Append a record; the mark says where it ends, for _after_commit."""
+        journal = self._journal
+        return (journal, journal.append(record)) if journal is not None else None
+
+    def _mark_locked(self) -> _Mark:
+        """Where the journal ends now (everything before must be durable)."""
+        journal = self._journal
+        return (journal, journal.written) if journal is not None else None
+
+    @staticmethod
+    def _after_commit(result: _T, mark: _Mark) -> _T:
+        """Return `result` once the records up to `mark` are durable; called without the
+        lock, so other calls go on while this one waits for the disk."""
+        if mark is not None:
+            journal, position = mark
+            journal.sync(position)
+        return result
+
+    def _state_locked(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "next_replica_id": next(self._replica_ids),
+            "segments": [_segment_record(s) for s in self._segments.values()],
+            "objects": [obj.record(key) for key, obj in self._objects.items()],
+        }
+
+    def _recover(self) -> None:
+        assert self._dir is not None
+        snapshot, records, last_gen = self._dir.load()
+        now = self._clock()
+        max_replica = 0
+        if snapshot is not None:
+            for record in snapshot.get("segments", ()):
+                self._replay_mount(record, now)
+            for obj in snapshot.get("objects", ()):
+                max_replica = max(max_replica, self._replay_put(obj, now))
+            max_replica = max(max_replica, snapshot.get("next_replica_id", 1) - 1)
+        for record in records:
+            kind = record.get("t")
+            if kind == "mount":
+                self._replay_mount(record, now)
+            elif kind == "unmount":
+                held = self._segments.get((record["e"], record["i"]))
+                if held is not None:
+                    self._unmount_locked(held, "unmounted (journal)")
+            elif kind == "put":
+                for obj in record["o"]:
+                    max_replica = max(max_replica, self._replay_put(obj, now))
+            elif kind == "rm":
+                for key in record["k"]:
+                    if key in self._objects:
+                        self._remove_locked(key, now)
+            else:
+                log.warning("store journal: unknown record kind %r ignored", kind)
+        # A reader may have held a lease when the old master died: start a new one for
+        # every object (granted only now: during replay, replaced space is freed at once).
+        lease = now + self.options.default_kv_lease_ttl_ms / 1000
+        for obj in self._objects.values():
+            obj.lease_until = lease
+        self._replica_ids = itertools.count(max_replica + 1)
+        self._gen = last_gen
+        self._journal = Journal(self._dir.journal_path(self._gen), fsync=self.options.fsync)
+        log.info("store recovered from %s: %d objects in %d segments awaiting remount",
+                 self._dir.path, len(self._objects), len(self._segments))
+        if snapshot is not None or records:
+            self.snapshot()  # start from one compact file; also drops a cut-off tail's file
+
+    def _replay_mount(self, record: dict[str, Any], now: float) -> None:
+        client_id, info = _segment_from_record(record)
+        held = self._segments.get((info.engine, info.segment_id))
+        if held is not None:
+            if held.same_memory(info):
+                held.client_id, held.info = client_id, info
+                return
+            self._unmount_locked(held, "replaced (journal)")
+        segment = _Segment(info, client_id, False, OffsetAllocator(info.length))
+        self._segments[segment.ident] = segment
+        self._at_locked(now + self.options.remount_grace_s, "await", segment)
+
+    def _replay_put(self, record: list[Any], now: float) -> int:
+        """Install one committed object (replacing any older value); returns its max
+        replica id. Replicas on unknown segments or overlapping ranges are skipped."""
+        key, size, hard_pin, replica_records = record
+        if key in self._objects:
+            self._remove_locked(key, now)
+        replicas: list[_Replica] = []
+        top = 0
+        for replica_id, engine, segment_id, epoch, offset, length in replica_records:
+            top = max(top, replica_id)
+            segment = self._segments.get((engine, segment_id))
+            if segment is None or segment.info.epoch != epoch:
+                continue
+            if not segment.allocator.reserve(offset, length):
+                log.warning("store journal: replica %d of %r overlaps another; skipped",
+                            replica_id, key)
+                continue
+            replicas.append(_Replica(replica_id, segment, offset, length))
+        if replicas:
+            self._install_locked(key, _Object(size, replicas, hard_pin))
+        return top
+
+
+__all__ = [
+    "ALIGNMENT", "ALLOCATION_STRATEGIES", "AllocationStrategy", "DataDir", "Journal",
+    "ObjectStore", "OffsetAllocator", "StoreOptions", "read_journal",
+]
