@@ -1,8 +1,8 @@
 # Sourced by scripts/test.sh and scripts/serve.sh: make the repo's .venv ready, once.
 #
 # Creates .venv (with $PYTHON, default python3) when it is missing or broken, and runs
-# `pip install -e '.[test]'` only when the venv is new or pyproject.toml changed since the
-# last install: a stamp file in the venv holds the hash of the pyproject.toml it installed.
+# `pip install -e '.[$HIXL_EXTRAS]'` (default: test) only when the venv is new or pyproject.toml
+# or the extras changed since the last install: a stamp file in the venv records both.
 # Progress goes to stderr so that the caller's stdout stays its own.
 
 hixl_ensure_venv() {
@@ -14,11 +14,12 @@ hixl_ensure_venv() {
         echo "creating $venv with $("$python" --version 2>&1)" >&2
         "$python" -m venv --clear "$venv"
     fi
+    local extras=${HIXL_EXTRAS:-test}  # CI adds "mooncake" to measure against it
     local want
-    want=$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)
+    want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1) $extras"
     if [[ ! -f $stamp || $(<"$stamp") != "$want" ]]; then
-        echo "installing hixl (editable) and its test tools into $venv" >&2
-        (cd "$root" && PIP_NO_INPUT=1 "$venv/bin/python" -m pip install -q -e '.[test]' >&2)
+        echo "installing hixl (editable) with extras [$extras] into $venv" >&2
+        (cd "$root" && PIP_NO_INPUT=1 "$venv/bin/python" -m pip install -q -e ".[$extras]" >&2)
         echo "$want" >"$stamp"
     fi
 }
