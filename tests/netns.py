@@ -442,10 +442,10 @@ class Worker:
     "message"} and the engine stays usable for the next step.
     """
 
-    def __init__(self, host: Host, fabric: str, tag: str) -> None:
+    def __init__(self, host: Host, fabric: str, tag: str, registry: str | None = None) -> None:
         self.host = host
         self.log_path = os.path.join(host.cluster.run_dir, f"worker-{host.name}-{tag}.log")
-        job = {"fabric": fabric, "local": host.ip, "steps": "stdin"}
+        job = {"fabric": fabric, "local": host.ip, "steps": "stdin", "registry": registry}
         with open(self.log_path, "w", encoding="utf-8") as log:
             self.proc = host.spawn([sys.executable, WORKER, json.dumps(job)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
@@ -572,9 +572,10 @@ class Cluster:
         self.agents.append(agent)
         return agent
 
-    def worker(self, host: Host, fabric: str = "1") -> Worker:
-        """An engine worker on `host` (EnableUseFabricMem=`fabric`), driven step by step."""
-        worker = Worker(host, fabric, self._tag())
+    def worker(self, host: Host, fabric: str = "1", registry: str | None = None) -> Worker:
+        """An engine worker on `host` (EnableUseFabricMem=`fabric`), driven step by step;
+        with `registry` ("ip:port") its engine follows that registry's global table."""
+        worker = Worker(host, fabric, self._tag(), registry)
         self.workers.append(worker)
         return worker
 

@@ -20,6 +20,9 @@ one JSON line each (so a test can act between steps, e.g. kill an agent mid-tran
     {"do": "wait"}                   -> {"status": "COMPLETED"} (waits the last write_async)
     {"do": "route", "agent": A, "addr": X}                -> {"route": "fabric"|"unix"|"tcp"}
     {"do": "sleep", "seconds": S}                         -> {}
+    {"do": "engines"}          -> {"engines": {name: epoch}} (needs a "registry" in the job)
+    {"do": "wait_table", "engine": E, "present": bool, "timeout": T}
+        -> {"reached": bool, "engines": {...}}  (waits until E is / is not in the global table)
     {"do": "raw", "address": "ip:port", "send": HEX, "replies": N, "timeout": 5}
         -> {"replies": [{"opcode", "request_id", "status", "reason", "epoch", "payload": HEX}],
             "closed": bool}        (a raw data-port client: up to N reply frames, or until closed)
@@ -177,13 +180,25 @@ class Steps:
         time.sleep(float(step["seconds"]))
         return {}
 
+    def do_engines(self, step: dict[str, Any]) -> dict[str, Any]:
+        return {"engines": {name: info.epoch for name, info in self.engine.engines().items()}}
+
+    def do_wait_table(self, step: dict[str, Any]) -> dict[str, Any]:
+        table = self.engine.global_table
+        assert table is not None, "wait_table needs a registry"
+        engine, present = step["engine"], bool(step["present"])
+        reached = table.wait_for(lambda t: (engine in t.engines()) == present,
+                                 float(step["timeout"]))
+        return {"reached": reached, **self.do_engines(step)}
+
     def do_raw(self, step: dict[str, Any]) -> dict[str, Any]:
         return raw_exchange(step["address"], bytes.fromhex(step["send"]), int(step["replies"]),
                             float(step.get("timeout", 5)))
 
 
 def run_steps(job: dict[str, Any]) -> int:
-    with Engine(job.get("local", "127.0.0.1"), {"EnableUseFabricMem": job["fabric"]}) as engine:
+    with Engine(job.get("local", "127.0.0.1"), {"EnableUseFabricMem": job["fabric"]},
+                registry=job.get("registry")) as engine:
         steps = Steps(engine)
         script = (json.loads(line) for line in sys.stdin if line.strip()) \
             if job["steps"] == "stdin" else iter(job["steps"])
