@@ -14,7 +14,6 @@ import ctypes
 import hashlib
 import json
 import os
-import re
 import selectors
 import signal
 import socket
@@ -600,17 +599,3 @@ def test_segment_in_a_running_agent(agent_process: Callable[..., Any],
         store.close()
     with MasterClient(master.target, timeout=GIVE_UP_S) as client:
         assert client.list_segments() == []
-
-
-def test_readme_store_example_runs(master: MasterProcess) -> None:
-    """The README's store example (a ```py block: test_readme.py runs ```python blocks
-    against an agent, and this one needs hixl-master) runs as written."""
-    readme = Path(__file__).resolve().parent.parent / "README.md"
-    blocks = [b for b in re.findall(r"```py\n(.*?)```", readme.read_text(), flags=re.S)
-              if "MooncakeDistributedStore" in b]
-    assert blocks, "the README lost its store example"
-    for block in blocks:
-        code = block.replace("127.0.0.1:50051", master.target)
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                timeout=GIVE_UP_S * 2)
-        assert result.returncode == 0, f"README example failed:\n{block}\n{result.stderr}"

@@ -22,13 +22,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_readme_examples_run(agent_process) -> None:
+def test_readme_examples_run(agent_process, tmp_path) -> None:
+    from hixl.client.registry_bench import MasterProcess
+
     blocks = python_blocks()
-    assert len(blocks) >= 2, "the README lost its usage examples"
+    assert len(blocks) >= 3, "the README lost its usage examples"
     node = agent_process(config={"pool_max_bytes": "64MiB"})
     server_name = f"127.0.0.1:{free_port()}"
+    with MasterProcess(extra=["--data-dir", str(tmp_path / "master")]) as master:
+        run_blocks(blocks, {"127.0.0.1:50161": node.engine, "127.0.0.1:50162": server_name,
+                            "127.0.0.1:50051": master.target})
+
+
+def run_blocks(blocks: list[str], addresses: dict[str, str]) -> None:
+    """Run each example in its own interpreter, its fixed addresses pointed at ours."""
     for block in blocks:
-        code = block.replace("127.0.0.1:50161", node.engine).replace("127.0.0.1:50162", server_name)
+        code = block
+        for fixed, ours in addresses.items():
+            code = code.replace(fixed, ours)
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, f"README example failed:\n{block}\n{result.stderr}"
