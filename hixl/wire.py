@@ -16,6 +16,14 @@ its own nonce, then HMAC proof of the token, see hixl.auth) and the agent replie
 the epoch and its own proof, or refuses (NOT_AUTHENTICATED) and closes. No other frame is
 served before that.
 
+Runs: a client that sets FLAG_RUN on its HELLO accepts *run replies*: one REPLY with
+FLAG_RUN answers `count` (carried in the `addr` field) consecutive accepted requests of one
+kind, starting at `request_id` — WRITE acknowledgements (`length` 0), or READs whose data,
+`length` bytes in all, follows back to back in request order. A batch of small ops then
+costs one reply header per run instead of one per op, and the client can receive a whole
+run's READ data with one scatter read straight into its destinations: no byte lands
+anywhere before the run's header said every op in it was accepted.
+
     magic u16 | version u8 | opcode u8 | flags u16 | reason u16 | status u32 | epoch u32
     request_id u64 | segment_id u64 | addr u64 | length u64          (network byte order)
 """
@@ -24,9 +32,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hixl import auth, errors
 from hixl.types import Perm
@@ -40,6 +47,7 @@ MAX_HELLO = 4096
 MAX_ERROR_TEXT = 4096
 FLAG_ERROR_TEXT = 1  # a REPLY whose payload is a UTF-8 error message
 FLAG_CHALLENGE = 2  # a HELLO reply whose payload is the server nonce: send AUTH next
+FLAG_RUN = 4  # HELLO: the client reads run replies; REPLY: answers a run (count in `addr`)
 AUTH_PAYLOAD = auth.NONCE_SIZE + auth.PROOF_SIZE  # client nonce, then client proof
 
 
@@ -108,8 +116,13 @@ def decode_header(raw: bytes | bytearray | memoryview) -> Header:
     """Parse and sanity-check one header; ProtocolError names what is wrong."""
     if len(raw) != HEADER_SIZE:
         raise ProtocolError(Reason.BAD_FRAME, f"header is {len(raw)} bytes, expected {HEADER_SIZE}")
+    return _checked(HEADER.unpack(raw))
+
+
+def _checked(fields: tuple[int, ...]) -> Header:
+    """The Header of unpacked fields, after the magic/version/opcode checks."""
     (magic, version, opcode, flags, reason, status, epoch, request_id, segment_id, addr,
-     length) = HEADER.unpack(raw)
+     length) = fields
     if magic != MAGIC:
         raise ProtocolError(Reason.BAD_FRAME, f"bad magic {magic:#06x}: not a hixl data stream")
     if version != VERSION:
@@ -130,9 +143,15 @@ def payload_length(header: Header) -> int:
     return 0
 
 
+def reply_count(header: Header) -> int:
+    """How many requests a reply answers: a run's count, else one."""
+    return header.addr if header.flags & FLAG_RUN else 1
+
+
 # Hot-path constants: plain ints, since every enum attribute access costs ~0.1 us and
 # the per-op code below runs once per frame.
 _pack = HEADER.pack
+_unpack_from = HEADER.unpack_from
 _HELLO, _WRITE, _READ, _REPLY, _PING, _AUTH = (
     int(op) for op in (Op.HELLO, Op.WRITE, Op.READ, Op.REPLY, Op.PING, Op.AUTH))
 _PERM_READ, _PERM_WRITE = int(Perm.READ), int(Perm.WRITE)
@@ -160,6 +179,17 @@ def ok_reply(request_id: int, length: int = 0) -> bytes:
     return _pack(MAGIC, VERSION, _REPLY, 0, 0, 0, 0, request_id, 0, 0, length)
 
 
+def run_reply(first_id: int, count: int, length: int = 0) -> bytes:
+    """One reply accepting `count` consecutive requests from `first_id` (FLAG_RUN clients).
+
+    `length` is the READ data that follows, all the run's windows back to back; 0 for
+    WRITE acknowledgements. A run of one is sent as a plain `ok_reply`.
+    """
+    if count == 1:
+        return _pack(MAGIC, VERSION, _REPLY, 0, 0, 0, 0, first_id, 0, 0, length)
+    return _pack(MAGIC, VERSION, _REPLY, FLAG_RUN, 0, 0, 0, first_id, 0, count, length)
+
+
 def error_reply(request_id: int, reason: Reason, message: str) -> bytes:
     text = message.encode("utf-8", "replace")[:MAX_ERROR_TEXT]
     return Header(Op.REPLY, request_id, length=len(text), status=_STATUS_FOR_REASON[reason],
@@ -175,7 +205,11 @@ def split(addr: int, length: int, limit: int = MAX_PAYLOAD) -> list[tuple[int, i
 
 @dataclass(slots=True)
 class ServedSegment:
-    """What the server knows of a segment it serves: identity, rights and its memory."""
+    """What the server knows of a segment it serves: identity, rights and its memory.
+
+    Never changed once made (a change of rights or memory is a new object), so the
+    per-frame checks read the derived `end`, `readable` and `writable` directly.
+    """
 
     segment_id: int
     epoch: int
@@ -183,14 +217,31 @@ class ServedSegment:
     length: int
     perms: Perm
     memory: memoryview  # writable view of the whole segment
+    end: int = field(init=False)
+    readable: bool = field(init=False)
+    writable: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.end = self.base + self.length
+        self.readable = bool(int(self.perms) & _PERM_READ)
+        self.writable = bool(int(self.perms) & _PERM_WRITE)
 
 
-@dataclass(slots=True)
 class ReceiveInto:
-    """Receive exactly len(target) payload bytes into `target`, then send `reply`."""
+    """Receive exactly len(target) payload bytes into `target`, then acknowledge the WRITE.
 
-    target: memoryview
-    reply: bytes
+    The acknowledgement is `reply`, or a share of a run reply (`request_id`).
+    """
+
+    __slots__ = ("target", "request_id")
+
+    def __init__(self, target: memoryview, request_id: int) -> None:
+        self.target = target
+        self.request_id = request_id
+
+    @property
+    def reply(self) -> bytes:
+        return ok_reply(self.request_id)
 
 
 @dataclass(slots=True)
@@ -201,12 +252,26 @@ class Discard:
     reply: bytes
 
 
-@dataclass(slots=True)
 class Send:
-    """Send `reply`, then `payload` (a slice of segment memory) if any."""
+    """Send `reply`, then `payload` (a slice of segment memory) if any.
 
-    reply: bytes
-    payload: memoryview | None = None
+    An accepted READ carries no reply bytes: its OK header is built when needed (`reply`),
+    or the read joins a run reply (`request_id`).
+    """
+
+    __slots__ = ("_reply", "payload", "request_id")
+
+    def __init__(self, reply: bytes | None, payload: memoryview | None = None,
+                 request_id: int = 0) -> None:
+        self._reply = reply
+        self.payload = payload
+        self.request_id = request_id
+
+    @property
+    def reply(self) -> bytes:
+        if self._reply is not None:
+            return self._reply
+        return ok_reply(self.request_id, len(self.payload) if self.payload is not None else 0)
 
 
 @dataclass(slots=True)
@@ -246,12 +311,48 @@ class ServerProtocol:
         self._server_nonce: bytes | None = None  # set by HELLO when a token is required
         #: the connection was refused for want of authentication (wrong, missing token)
         self.auth_refused = False
+        #: the client accepts run replies (it set FLAG_RUN on its HELLO)
+        self.runs = False
 
     def on_header(self, raw: bytes | bytearray | memoryview) -> Action:
+        if len(raw) != HEADER_SIZE:
+            msg = f"header is {len(raw)} bytes, expected {HEADER_SIZE}"
+            return Close(error_reply(0, Reason.BAD_FRAME, msg), msg)
+        return self.on_header_at(raw, 0)
+
+    def on_header_at(self, buffer: bytes | bytearray | memoryview, offset: int) -> Action:
+        """`on_header` for the 48 bytes at `buffer[offset:]` (a driver's receive buffer).
+
+        An accepted WRITE or READ takes the short path: one unpack, one resolve, the
+        checks inline, no Header object; everything else goes through `_on_frame`.
+        """
+        fields = _unpack_from(buffer, offset)
+        magic, version, op, _, _, _, epoch, rid, segment_id, addr, length = fields
+        if (op in (_WRITE, _READ) and magic == MAGIC and version == VERSION
+                and self.authenticated and 0 < length <= MAX_PAYLOAD):
+            # resolve once: a second lookup could miss a segment deregistered in between
+            segment = self._resolve(segment_id)
+            if (segment is not None and segment.epoch == epoch and addr >= segment.base
+                    and addr + length <= segment.end
+                    and (segment.writable if op == _WRITE else segment.readable)):
+                start = addr - segment.base
+                window = segment.memory[start:start + length]
+                if op == _WRITE:
+                    return ReceiveInto(window, rid)
+                return Send(None, window, rid)
+            header = _checked(fields)
+            refusal = self._check(header, segment)
+            assert refusal is not None  # the same checks as above, now naming the failure
+            reply = error_reply(rid, *refusal)
+            return Discard(length, reply) if op == _WRITE else Send(reply)
         try:
-            header = decode_header(raw)
+            header = _checked(fields)
         except ProtocolError as exc:
             return Close(error_reply(0, exc.reason, str(exc)), str(exc))
+        return self._on_frame(header)
+
+    def _on_frame(self, header: Header) -> Action:
+        """Every frame but an accepted WRITE or READ: handshake, refusals, PING."""
         op = header.opcode
         rid = header.request_id
         if op == _HELLO:
@@ -261,6 +362,7 @@ class ServerProtocol:
             if self._server_nonce is not None or (self._token and self.authenticated):
                 msg = "HELLO sent twice"
                 return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
+            self.runs = bool(header.flags & FLAG_RUN)
             return ReadHello(header.length, rid)
         if op == _AUTH:
             return self._on_auth_header(header)
@@ -276,26 +378,12 @@ class ServerProtocol:
         if op == _REPLY:
             msg = "a client may not send REPLY frames"
             return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
-        # WRITE or READ
-        if header.length == 0 or header.length > MAX_PAYLOAD:
-            msg = f"length {header.length} must be in [1, {MAX_PAYLOAD}]"
-            if op == _WRITE and header.length > MAX_PAYLOAD:
-                # the payload cannot be skipped safely: the stream is lost
-                return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
-            return Send(error_reply(rid, Reason.BAD_LENGTH, msg))
-        # resolve once: a second lookup could miss a segment deregistered in between
-        segment = self._resolve(header.segment_id)
-        refusal = self._check(header, segment)
-        if refusal is not None:
-            reason, msg = refusal
-            reply = error_reply(rid, reason, msg)
-            return Discard(header.length, reply) if op == _WRITE else Send(reply)
-        assert segment is not None
-        offset = header.addr - segment.base
-        window = segment.memory[offset:offset + header.length]
-        if op == _WRITE:
-            return ReceiveInto(window, ok_reply(rid))
-        return Send(ok_reply(rid, header.length), window)
+        # a WRITE or READ of a bad length: on_header_at checks and serves all the others
+        msg = f"length {header.length} must be in [1, {MAX_PAYLOAD}]"
+        if op == _WRITE and header.length > MAX_PAYLOAD:
+            # the payload cannot be skipped safely: the stream is lost
+            return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
+        return Send(error_reply(rid, Reason.BAD_LENGTH, msg))
 
     def _on_auth_header(self, header: Header) -> Action:
         rid = header.request_id
@@ -351,7 +439,7 @@ class ServerProtocol:
                     f"segment {header.segment_id} epoch {header.epoch} is stale (now "
                     f"{segment.epoch}): the agent restarted; reconnect to refresh the table")
         writing = header.opcode == _WRITE
-        if not int(segment.perms) & (_PERM_WRITE if writing else _PERM_READ):
+        if not (segment.writable if writing else segment.readable):
             return (Reason.PERMISSION,
                     f"segment {header.segment_id} does not allow "
                     f"{'writes' if writing else 'reads'} (perms {segment.perms})")
@@ -366,11 +454,19 @@ class ServerProtocol:
 # ---------------------------------------------------------------- client side
 
 class ClientProtocol:
-    """One data connection, client side: numbers requests and matches replies in order."""
+    """One data connection, client side: numbers requests and matches replies in order.
+
+    Request ids are consecutive, so the outstanding requests are [first, next id): kept as
+    an opcode per request (a bytearray) and the payload length its reply must carry, from
+    `_head` on, which lets a run reply be checked with a few C-level slice operations.
+    """
 
     def __init__(self) -> None:
         self._next_id = 1
-        self._pending: deque[tuple[int, int, int]] = deque()  # (request id, opcode, length)
+        self._opcodes = bytearray()  # outstanding requests' opcodes, oldest at _head
+        self._lengths: list[int] = []  # the payload length each one's reply must carry
+        self._head = 0
+        self._runs = False  # HELLO asked for run replies
         self._identity = b""
         self._nonces: tuple[bytes, bytes] | None = None  # (server, client) while in AUTH
         #: the agent answered HELLO with a CHALLENGE: AUTH must follow
@@ -378,17 +474,31 @@ class ClientProtocol:
 
     @property
     def outstanding(self) -> int:
-        return len(self._pending)
+        return len(self._opcodes) - self._head
 
     def _take_id(self, opcode: int, length: int) -> int:
         rid = self._next_id
         self._next_id += 1
-        self._pending.append((rid, opcode, length))
+        self._opcodes.append(opcode)
+        self._lengths.append(length)
         return rid
 
-    def hello(self, identity: bytes = b"") -> bytes:
+    def _answered(self, count: int) -> None:
+        self._head += count
+        if self._head == len(self._opcodes):
+            self._opcodes.clear()
+            self._lengths.clear()
+            self._head = 0
+
+    def hello(self, identity: bytes = b"", *, runs: bool = False) -> bytes:
+        """HELLO naming this client; `runs`: ask for run replies (FLAG_RUN), which the
+        caller must then read as `reply_count` requests' answers."""
         self._identity = identity
-        return hello(self._take_id(Op.HELLO, 0), identity)
+        self._runs = runs
+        frame = bytearray(hello(self._take_id(Op.HELLO, 0), identity))
+        if runs:
+            frame[4:6] = FLAG_RUN.to_bytes(2, "big")
+        return bytes(frame)
 
     def auth(self, token: bytes | None, server_nonce: bytes) -> bytes:
         """AUTH answering the agent's challenge; AuthenticationFailed without a token."""
@@ -422,25 +532,50 @@ class ClientProtocol:
     def read(self, segment_id: int, epoch: int, addr: int, length: int) -> bytes:
         return read_request(self._take_id(Op.READ, length), segment_id, epoch, addr, length)
 
+    def requests(self, opcode: int, ops: list[tuple[int, int, int, int]]) -> list[bytes]:
+        """Headers of many WRITEs or READs at once: `ops` are (segment_id, epoch, addr, length).
+
+        Same frames as `write`/`read` one by one, at a fraction of the per-op cost.
+        """
+        if opcode not in (_WRITE, _READ):
+            raise ValueError(f"requests() encodes WRITE or READ, not opcode {opcode}")
+        first = self._next_id
+        headers = [_pack(MAGIC, VERSION, opcode, 0, 0, 0, epoch, rid, segment_id, addr, length)
+                   for rid, (segment_id, epoch, addr, length) in enumerate(ops, first)]
+        self._next_id = first + len(ops)
+        self._opcodes += bytes((opcode,)) * len(ops)
+        if opcode == _READ:
+            self._lengths += [op[3] for op in ops]
+        else:
+            self._lengths += [0] * len(ops)
+        return headers
+
     def ping(self) -> bytes:
         return Header(Op.PING, self._take_id(Op.PING, 0)).pack()
 
     def on_reply_header(self, raw: bytes | bytearray | memoryview) -> Header:
-        """Check the next reply header against the oldest outstanding request.
+        """Check the next reply header against the oldest outstanding request(s).
 
         Returns the header; the caller then reads `payload_length(header)` bytes (read data,
-        or error text when `header.flags & FLAG_ERROR_TEXT`). Raises ProtocolError when
-        the reply is not the one expected.
+        or error text when `header.flags & FLAG_ERROR_TEXT`). A run reply answers
+        `reply_count(header)` requests; its READ data is theirs, back to back. Raises
+        ProtocolError when the reply is not the one expected.
         """
         header = decode_header(raw)
         if header.opcode != _REPLY:
             raise ProtocolError(Reason.BAD_FRAME, f"expected REPLY, got opcode {header.opcode}")
-        if not self._pending:
+        outstanding = len(self._opcodes) - self._head
+        if not outstanding:
             raise ProtocolError(Reason.BAD_FRAME, f"unsolicited reply {header.request_id}")
-        rid, opcode, length = self._pending[0]
+        rid = self._next_id - outstanding
+        opcode, length = self._opcodes[self._head], self._lengths[self._head]
         if header.request_id not in (rid, 0):
             raise ProtocolError(Reason.BAD_FRAME,
                                 f"reply for request {header.request_id}, expected {rid}")
+        if header.flags & FLAG_RUN:
+            self._check_run(header, rid, opcode, outstanding)
+            self._answered(header.addr)
+            return header
         if header.flags & FLAG_ERROR_TEXT:
             if header.length > MAX_ERROR_TEXT:
                 raise ProtocolError(Reason.BAD_FRAME, "error text too long")
@@ -460,8 +595,32 @@ class ClientProtocol:
                                 f"AUTH reply carries {header.length} bytes, expected {length}")
         elif opcode not in (_READ, _AUTH) and header.length != 0:
             raise ProtocolError(Reason.BAD_FRAME, "unexpected payload on a reply")
-        self._pending.popleft()
+        self._answered(1)
         return header
+
+    def _check_run(self, header: Header, rid: int, opcode: int, outstanding: int) -> None:
+        """A run reply must accept `count` outstanding requests of one kind, exactly."""
+        count = header.addr
+        if not self._runs:
+            raise ProtocolError(Reason.BAD_FRAME, "run reply, but this client did not ask "
+                                                  "for runs")
+        if header.request_id != rid:
+            raise ProtocolError(Reason.BAD_FRAME,
+                                f"run reply from request {header.request_id}, expected {rid}")
+        if header.flags & FLAG_ERROR_TEXT or header.status != errors.SUCCESS or header.reason:
+            raise ProtocolError(Reason.BAD_FRAME, "a run reply cannot refuse")
+        if not 1 <= count <= outstanding:
+            raise ProtocolError(Reason.BAD_FRAME, f"run reply for {count} requests, "
+                                                  f"{outstanding} outstanding")
+        head = self._head
+        if opcode not in (_WRITE, _READ) or self._opcodes.count(opcode, head,
+                                                                 head + count) != count:
+            raise ProtocolError(Reason.BAD_FRAME, f"run reply for {count} requests that are "
+                                                  "not all WRITEs or all READs")
+        expected = sum(self._lengths[head:head + count])
+        if header.length != expected:
+            raise ProtocolError(Reason.BAD_FRAME, f"run reply carries {header.length} bytes, "
+                                                  f"its requests asked {expected}")
 
 
 def reply_error(header: Header, text: bytes) -> errors.HixlError:

@@ -4,11 +4,14 @@ SocketTransport over both TCP and a unix socket. Every byte moved is checked."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import re
 import socket
 import stat
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -680,14 +683,19 @@ def test_client_reads_replies_arriving_in_pieces(served: Served) -> None:
         listener.close()
 
 
-def test_server_reads_requests_arriving_in_pieces(served: Served, server: DataServer) -> None:
+@pytest.mark.parametrize("runs", [False, True])
+def test_server_reads_requests_arriving_in_pieces(served: Served, server: DataServer,
+                                                  runs: bool) -> None:
+    """Headers cut anywhere, in the agent's ring or across its refills; with runs, the
+    accepted WRITEs around a refusal may share run replies."""
     rw = served.add(1, size=1 << 16)
     ro = served.add(2, size=1 << 16, perms=Perm.READ)
     before = served.bytes_of(2)
     data = os.urandom(3000)
     client = wire.ClientProtocol()
-    stream = (client.hello(b"dribbler")
+    stream = (client.hello(b"dribbler", runs=runs)
               + client.write(1, EPOCH, rw.base + 10, 3000) + data
+              + client.write(1, EPOCH, rw.base + 4000, 2) + b"ab"
               + client.write(2, EPOCH, ro.base, 500) + b"z" * 500  # refused, payload skipped
               + client.write(1, EPOCH, rw.base + 5000, 1) + b"!"
               + client.read(1, EPOCH, rw.base + 10, 3000)
@@ -695,13 +703,215 @@ def test_server_reads_requests_arriving_in_pieces(served: Served, server: DataSe
     sock = raw_connection(server, "tcp", hello=False)
     with sock:
         dribble(sock, stream, random.Random(1))
-        replies = []
+        replies = []  # one (header, payload) per request, run replies spread over theirs
         while client.outstanding:
             header = client.on_reply_header(recv_exactly(sock, wire.HEADER_SIZE))
-            replies.append((header, recv_exactly(sock, wire.payload_length(header))))
+            payload = recv_exactly(sock, wire.payload_length(header))
+            count = wire.reply_count(header)
+            assert count == 1 or not header.length  # the only READ has no company
+            replies += [(header, payload)] * count
     assert [bool(h.flags & wire.FLAG_ERROR_TEXT) for h, _ in replies] == [
-        False, False, True, False, False, False]
-    assert isinstance(wire.reply_error(*replies[2]), errors.PermissionDenied)
-    assert replies[4][1] == data
+        False, False, False, True, False, False, False]
+    assert isinstance(wire.reply_error(*replies[3]), errors.PermissionDenied)
+    assert replies[5][1] == data
     assert served.bytes_of(1)[10:3010] == data and served.bytes_of(1)[5000:5001] == b"!"
+    assert served.bytes_of(1)[4000:4002] == b"ab"
     assert served.bytes_of(2) == before
+
+
+# ---------------------------------------------------------------- run replies and the agent's ring
+
+def outbound_unread(sock: socket.socket) -> int:
+    """Bytes this unix socket sent that the peer has not read yet (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def send_split(conn: socket.socket, stream: bytes, cut: int) -> None:
+    """Send stream[:cut], wait (bounded) until the peer has read all of it, then the rest:
+    the client's reads end exactly at `cut`."""
+    conn.sendall(stream[:cut])
+    limit = time.monotonic() + 10
+    while outbound_unread(conn) and time.monotonic() < limit:
+        time.sleep(0.0002)
+    conn.sendall(stream[cut:])
+
+
+def grouped_replies(proto: wire.ServerProtocol, requests: list[bytes], payloads: list[bytes],
+                    groups: list[list[int]]) -> bytes:
+    """The reply stream a runs-speaking agent sends for `requests`: ServerProtocol checks
+    each one; every group of accepted requests is answered by one run reply."""
+    actions = []
+    for header, payload in zip(requests, payloads, strict=True):
+        action = proto.on_header(header)
+        if isinstance(action, wire.ReceiveInto):
+            action.target[:] = payload
+        actions.append(action)
+    stream = b""
+    for group in groups:
+        first = actions[group[0]]
+        data = b"".join(bytes(actions[n].payload) for n in group
+                        if getattr(actions[n], "payload", None) is not None)
+        if len(group) == 1:
+            stream += first.reply + data
+        else:
+            stream += wire.run_reply(first.request_id, len(group), len(data)) + data
+    return stream
+
+
+def test_run_replies_split_at_every_byte(served: Served, tmp_path: Path) -> None:
+    """A fake agent answers READ and WRITE batches with runs, a refusal between them, and
+    cuts its reply stream at every byte in turn: the client's scatter reads resume at
+    every point, data lands only in accepted ops' destinations, `.failed` stays exact."""
+    rw = served.add(1, size=1 << 16)
+    ro = served.add(2, size=1 << 16, perms=Perm.READ)
+    lengths = [3, 5, 6, 7, 1, 4]
+    groups = [[0, 1], [2], [3], [4, 5]]  # the refused op (2) stands alone
+    path = str(tmp_path / "fake.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    cut = [0]  # where the fake agent cuts its next reply stream
+    streams: list[int] = []  # the length of each reply stream it sent
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            proto = wire.ServerProtocol(served.resolve, EPOCH)
+            hello = recv_exactly(conn, wire.HEADER_SIZE)
+            action = proto.on_header(hello)
+            assert isinstance(action, wire.ReadHello) and proto.runs
+            conn.sendall(proto.on_hello(action.request_id,
+                                        recv_exactly(conn, action.count)).reply)
+            while True:
+                requests, payloads = [], []
+                for _ in lengths:  # one batch: header, then the payload a WRITE carries
+                    header = recv_exactly(conn, wire.HEADER_SIZE)
+                    if not header:
+                        return
+                    requests.append(header)
+                    payloads.append(recv_exactly(
+                        conn, wire.payload_length(wire.decode_header(header))))
+                stream = grouped_replies(proto, requests, payloads, groups)
+                streams.append(len(stream))
+                send_split(conn, stream, cut[0])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    transport = SocketTransport(f"unix://{path}")
+    local = ShmSegment(4096)
+    offsets = [sum(lengths[:n]) * 3 for n in range(len(lengths))]
+    try:
+        for op, refused_segment, error in ((TransferOp.READ, rw, errors.OutOfRange),
+                                           (TransferOp.WRITE, ro, errors.PermissionDenied)):
+            cut[0] = 0
+            while True:
+                local.view()[:] = bytes(4096) if op == TransferOp.READ else os.urandom(4096)
+                items = [Item(n, local.addr + offsets[n], rw, rw.base + 100 * n, length)
+                         for n, length in enumerate(lengths)]
+                items[2] = Item(2, local.addr + offsets[2], refused_segment,
+                                rw.end - 1 if op == TransferOp.READ else ro.base, lengths[2])
+                with pytest.raises(error) as exc:
+                    transport.transfer(op, items, deadline())
+                assert exc.value.failed == [2]
+                for n in (0, 1, 3, 4, 5):
+                    mine = bytes(local.view()[offsets[n]:offsets[n] + lengths[n]])
+                    assert mine == served.bytes_of(1)[100 * n:100 * n + lengths[n]]
+                if op == TransferOp.READ:  # the refused read's destination is untouched
+                    assert bytes(local.view()[offsets[2]:offsets[2] + lengths[2]]) == bytes(6)
+                if cut[0] == streams[-1] - 1:
+                    break  # every cut of this stream was tried
+                cut[0] += 1
+    finally:
+        transport.close()
+        listener.close()
+        thread.join(10)
+    assert len(streams) == streams[0] + streams[-1]  # each stream, cut at each of its bytes
+    assert served.bytes_of(2) == random.Random(2).randbytes(1 << 16)
+
+
+def test_refusals_between_runs_of_scattered_read_replies(served: Served, server: DataServer,
+                                                         connect) -> None:
+    """The real agent answers a READ batch with runs around two refused ops: each accepted
+    op's data is right, the refused ops' destinations untouched, `.failed` exact."""
+    info = served.add(1, size=1 << 20)
+    ghost = SegmentInfo(77, "agent", "node", info.base, info.length, MemType.MEM_HOST,
+                        Perm.RW, EPOCH, False)
+    transport = connect()
+    back = ShmSegment(64 * 4096)
+    items = [Item(n, back.addr + n * 4096, info, info.base + n * 4096, 4096) for n in range(64)]
+    items[10] = Item(10, back.addr + 10 * 4096, info, info.end - 100, 4096)  # past the end
+    items[40] = Item(40, back.addr + 40 * 4096, ghost, info.base, 4096)  # unknown segment
+    for _ in range(3):  # and the stream stays in step for the next batch
+        back.view()[:] = bytes(back.length)
+        with pytest.raises(errors.OutOfRange) as exc:
+            transport.transfer(TransferOp.READ, items, deadline())
+        assert exc.value.failed == [10, 40]
+        for n in range(64):
+            got = bytes(back.view()[n * 4096:(n + 1) * 4096])
+            expected = (bytes(4096) if n in (10, 40)
+                        else served.bytes_of(1)[n * 4096:(n + 1) * 4096])
+            assert got == expected, n
+    assert server.counters["connections"] == 1
+    assert server.counters["refused"] == 6 and server.counters["ops_read"] == 3 * 62
+
+
+def test_agent_answers_many_headers_from_one_receive_with_runs(served: Served,
+                                                               tmp_path: Path) -> None:
+    """Every frame of a pipelined batch is already in the agent's socket when it reads:
+    one receive brings them all, and each kind of request is answered by one run reply."""
+    info = served.add(1, size=1 << 16)
+    release = threading.Event()
+    calls = []
+
+    def held_resolve(segment_id: int) -> wire.ServedSegment | None:
+        calls.append(segment_id)
+        if len(calls) == 1:
+            release.wait(30)  # hold the first WRITE until the whole batch has been sent
+        return served.resolve(segment_id)
+
+    srv = DataServer(held_resolve, EPOCH, tcp_host=None, unix_path=str(tmp_path / "s.sock"))
+    data = os.urandom(100 * 100)
+    client = wire.ClientProtocol()
+    stream = client.hello(b"batcher", runs=True)
+    writes = client.requests(wire.Op.WRITE, [(1, EPOCH, info.base + 100 * n, 100)
+                                             for n in range(100)])
+    stream += b"".join(header + data[100 * n:100 * (n + 1)] for n, header in enumerate(writes))
+    stream += b"".join(client.requests(wire.Op.READ, [(1, EPOCH, info.base + 100 * n, 100)
+                                                      for n in range(100)]))
+    stream += client.ping()
+    with srv:
+        sock = raw_connection(srv, "unix", hello=False)
+        with sock:
+            sock.sendall(stream)
+            release.set()
+            headers = []
+            read_back = b""
+            while client.outstanding:
+                header = client.on_reply_header(recv_exactly(sock, wire.HEADER_SIZE))
+                headers.append(header)
+                payload = recv_exactly(sock, wire.payload_length(header))
+                if wire.reply_count(header) == 100 and header.length:
+                    read_back = payload
+    assert [wire.reply_count(h) for h in headers] == [1, 100, 100, 1]  # HELLO, runs, PING
+    assert read_back == data == served.bytes_of(1)[:100 * 100]
+    assert srv.counters["ops_write"] == srv.counters["ops_read"] == 100
+
+
+def test_small_and_large_frames_mixed_in_one_batch(served: Served, connect) -> None:
+    """Small payloads come through the agent's ring (copied), large ones straight into the
+    segment; a batch alternating them moves every byte right, both ways."""
+    info = served.add(1, size=8 << 20)
+    transport = connect(frame_limit=wire.MAX_PAYLOAD)
+    local = ShmSegment(8 << 20)
+    local.view()[:] = os.urandom(local.length)
+    sizes = [100, 1 << 20, 7, 3000, (1 << 20) + 5, 1, 300_000, 48, 2 << 20, 60]
+    offsets = [sum(sizes[:n]) for n in range(len(sizes))]
+    items = [Item(n, local.addr + offsets[n], info, info.base + offsets[n], size)
+             for n, size in enumerate(sizes)]
+    transport.transfer(TransferOp.WRITE, items, deadline())
+    assert served.bytes_of(1)[:sum(sizes)] == bytes(local.view()[:sum(sizes)])
+    back = ShmSegment(8 << 20)
+    transport.transfer(TransferOp.READ, [Item(n, back.addr + offsets[n], info, item.remote_addr,
+                                              item.length) for n, item in enumerate(items)],
+                       deadline())
+    assert bytes(back.view()[:sum(sizes)]) == bytes(local.view()[:sum(sizes)])

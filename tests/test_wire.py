@@ -385,6 +385,104 @@ def test_client_refuses_unsolicited_replies() -> None:
         client.on_reply_header(wire.ok_reply(rid))
 
 
+# ---------------------------------------------------------------- runs: one reply for many
+
+def test_bulk_requests_match_one_by_one_encoding() -> None:
+    ops = [(1, EPOCH, BASE + 10 * n, n + 1) for n in range(5)]
+    one_by_one, bulk = wire.ClientProtocol(), wire.ClientProtocol()
+    for opcode, encode in ((Op.WRITE, one_by_one.write), (Op.READ, one_by_one.read)):
+        assert bulk.requests(opcode, ops) == [encode(*op) for op in ops]
+    assert bulk.outstanding == one_by_one.outstanding == 10
+    with pytest.raises(ValueError, match="WRITE or READ"):
+        bulk.requests(Op.PING, ops)
+
+
+def test_run_reply_encodes_count_and_length() -> None:
+    header = wire.decode_header(wire.run_reply(7, 3, 300))
+    assert (header.request_id, wire.reply_count(header), header.length) == (7, 3, 300)
+    assert header.flags == wire.FLAG_RUN and header.status == 0
+    assert wire.run_reply(7, 1, 100) == wire.ok_reply(7, 100)  # a run of one is plain
+    assert wire.reply_count(wire.decode_header(wire.ok_reply(7))) == 1
+
+
+def test_server_learns_from_hello_whether_the_client_reads_runs() -> None:
+    for runs in (False, True):
+        proto = ServerProtocol({}.get, epoch=3)
+        hello = wire.ClientProtocol().hello(b"peer", runs=runs)
+        assert isinstance(proto.on_header(hello[:HEADER_SIZE]), ReadHello)
+        assert proto.runs is runs
+    assert not wire.decode_header(wire.ClientProtocol().hello()[:HEADER_SIZE]).flags
+
+
+def test_server_decodes_headers_in_place_in_a_receive_buffer() -> None:
+    """on_header_at reads a header at any offset of a larger buffer, as the agent's ring."""
+    seg = make_segment()
+    proto = make_server(seg)
+    ring = bytearray(b"x" * 5 + wire.write_header(3, 1, EPOCH, BASE + 8, 4) + b"data"
+                     + wire.read_request(4, 1, EPOCH, BASE + 8, 4) + b"\0" * 20)
+    write = proto.on_header_at(ring, 5)
+    assert isinstance(write, ReceiveInto) and write.request_id == 3
+    assert write.reply == wire.ok_reply(3)
+    write.target[:] = ring[5 + HEADER_SIZE:5 + HEADER_SIZE + 4]
+    read = proto.on_header_at(memoryview(ring), 5 + HEADER_SIZE + 4)
+    assert isinstance(read, Send) and read.request_id == 4 and bytes(read.payload) == b"data"
+    assert read.reply == wire.ok_reply(4, 4)
+    refused = proto.on_header_at(wire.read_request(5, 1, EPOCH + 1, BASE, 4), 0)
+    assert isinstance(refused, Send) and refused.payload is None
+    assert_refused(refused.reply, Reason.STALE_EPOCH, "stale")
+
+
+def run_client(*requests: tuple[Op, int]) -> tuple[wire.ClientProtocol, int]:
+    """A client that asked for runs, with (opcode, length) requests outstanding."""
+    client = wire.ClientProtocol()
+    client.on_reply_header(Header(Op.REPLY, wire.decode_header(
+        client.hello(b"me", runs=True)[:HEADER_SIZE]).request_id, epoch=3).pack())
+    first = client.outstanding + 2  # the HELLO was id 1
+    for opcode, length in requests:
+        client.requests(opcode, [(1, EPOCH, BASE, length)])
+    return client, first
+
+
+def test_client_accepts_runs_covering_exactly_their_requests() -> None:
+    client, first = run_client((Op.WRITE, 10), (Op.WRITE, 20), (Op.READ, 5), (Op.READ, 7),
+                               (Op.READ, 9), (Op.WRITE, 1))
+    got = client.on_reply_header(wire.run_reply(first, 2))
+    assert wire.reply_count(got) == 2 and wire.payload_length(got) == 0
+    got = client.on_reply_header(wire.run_reply(first + 2, 2, 12))
+    assert wire.reply_count(got) == 2 and wire.payload_length(got) == 12
+    client.on_reply_header(wire.ok_reply(first + 4, 9))  # a plain reply still works
+    client.on_reply_header(wire.ok_reply(first + 5))
+    assert client.outstanding == 0
+
+
+@pytest.mark.parametrize("reply, words", [
+    (lambda first: wire.run_reply(first, 4, 12), "4 requests, 3 outstanding"),
+    (lambda first: wire.run_reply(first, 2, 11), "carries 11 bytes, its requests asked 12"),
+    (lambda first: wire.run_reply(first + 1, 2, 12), "expected"),
+    (lambda first: wire.run_reply(0, 2, 12), "expected"),
+    (lambda first: Header(Op.REPLY, first, addr=0, flags=wire.FLAG_RUN).pack(), "0 requests"),
+    (lambda first: Header(Op.REPLY, first, addr=2, length=12, flags=wire.FLAG_RUN
+                          | wire.FLAG_ERROR_TEXT, status=errors.FAILED).pack(), "cannot refuse"),
+])
+def test_client_refuses_runs_that_do_not_match(reply, words: str) -> None:  # noqa: ANN001
+    client, first = run_client((Op.READ, 5), (Op.READ, 7), (Op.WRITE, 3))
+    with pytest.raises(ProtocolError, match=words):
+        client.on_reply_header(reply(first))
+    assert client.outstanding == 3  # nothing consumed: the caller drops the connection
+
+
+def test_client_refuses_runs_mixing_kinds_or_not_asked_for() -> None:
+    client, first = run_client((Op.WRITE, 5), (Op.READ, 7))
+    with pytest.raises(ProtocolError, match="not all WRITEs or all READs"):
+        client.on_reply_header(wire.run_reply(first, 2, 7))
+    plain = wire.ClientProtocol()
+    plain.hello()
+    plain.on_reply_header(Header(Op.REPLY, 1, epoch=3).pack())
+    plain.requests(Op.WRITE, [(1, EPOCH, BASE, 1)] * 2)
+    with pytest.raises(ProtocolError, match="did not ask"):
+        plain.on_reply_header(wire.run_reply(2, 2))
+
+
 # ---------------------------------------------------------------- cluster-token handshake
 
 TOKEN = b"cluster-secret-0123456789"
