@@ -614,10 +614,15 @@ class Engine:
         HixlError subclass; `.failed` lists the indexes of ops that did not complete.
         """
         deadline = self._deadline(timeout)
-        peer = self._peer(remote)
-        op = _check_op(op)
+        peer = self._peers.get(remote) or self._peer(remote)
+        if op is not TransferOp.WRITE and op is not TransferOp.READ:
+            op = _check_op(op)
         fabric_items, socket_items = self._resolve(peer, op, descs)
-        self._move(peer, op, fabric_items, socket_items, deadline)
+        # _move, inlined: this is the per-call overhead a 1 MiB fabric copy (~23 µs) pays
+        if fabric_items:
+            peer.fabric.transfer(op, fabric_items, deadline)  # type: ignore[union-attr]
+        if socket_items:
+            self._socket(peer).transfer(op, socket_items, deadline)
 
     def _move(self, peer: _Peer, op: TransferOp, fabric_items: list[Item],
               socket_items: list[Item], deadline: float) -> None:
