@@ -201,6 +201,7 @@ class Engine:
         self._handles: dict[tuple[int, int], MemHandle] = {}
         self._malloced: dict[int, ShmSegment] = {}
         self._peers: dict[str, _Peer] = {}
+        self._connect_locks: dict[str, threading.Lock] = {}
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -512,6 +513,21 @@ class Engine:
         """The embedded agent (hixl.server.agent.Agent) serving this engine's memory, or
         None for a client-only engine; adapters read the segments peers gave it."""
         return self._server.agent if self._server is not None else None
+
+    def is_connected(self, remote: str) -> bool:
+        return remote in self._peers
+
+    def ensure_connected(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Connect to `remote` unless connected already: for adapters that connect lazily
+        (Mooncake's openSegment style). One handshake per remote at a time; other remotes
+        are not held up."""
+        if remote in self._peers:
+            return
+        with self._lock:
+            lock = self._connect_locks.setdefault(remote, threading.Lock())
+        with lock:
+            if remote not in self._peers:
+                self.connect(remote, timeout)
 
     def disconnect(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Drop the connection, its mappings and data channels."""

@@ -443,8 +443,6 @@ class MooncakeDistributedStore:
         self._staging_alloc: OffsetAllocator | None = None
         self._staging_lock = threading.Lock()
         self._buffers: AddressTable[MemHandle] = AddressTable()
-        self._connected: set[str] = set()
-        self._target_locks: dict[str, threading.Lock] = {}
         self._verified: set[tuple[str, int, int]] = set()
         self._suspects: dict[str, float] = {}    # engine -> monotonic time to forget it
         self._others: tuple[set[str], float, list[str]] = (set(), 0.0, [])
@@ -831,7 +829,6 @@ class MooncakeDistributedStore:
                             engine.free(shm)
         self._engine = self._master = self._segment = None
         self._buffers = AddressTable()
-        self._connected.clear()
 
     def __enter__(self) -> MooncakeDistributedStore:
         return self
@@ -928,20 +925,10 @@ class MooncakeDistributedStore:
         engine = self._engine
         if engine is None:
             raise NotConnected("the store is closed")
-        if target in self._connected:
-            return engine
-        with self._lock:
-            lock = self._target_locks.setdefault(target, threading.Lock())
-        with lock:
-            if target not in self._connected:
-                with contextlib.suppress(HixlError):  # a stale entry from an earlier failure
-                    engine.disconnect(target)
-                engine.connect(target, self._connect_timeout)
-                self._connected.add(target)
+        engine.ensure_connected(target, self._connect_timeout)
         return engine
 
     def _drop(self, target: str) -> None:
-        self._connected.discard(target)
         with self._lock:
             self._verified = {v for v in self._verified if v[0] != target}
         engine = self._engine
@@ -969,7 +956,7 @@ class MooncakeDistributedStore:
 
     def _transfer(self, target: str, op: TransferOp, batch: _Batch) -> None:
         """Move one target's ops; a cached connection found dead or stale is reopened once."""
-        cached = target in self._connected
+        cached = self._engine is not None and self._engine.is_connected(target)
         for attempt in (0, 1):
             try:
                 engine = self._connect(target)

@@ -218,8 +218,6 @@ class TransferEngine:
         self._engine: Engine | None = None
         self._lock = threading.RLock()
         self._notify_lock = threading.Lock()
-        self._connected: set[str] = set()
-        self._target_locks: dict[str, threading.Lock] = {}
         self._regions: AddressTable[Any] = AddressTable()  # MemHandle or managed _Chunk
         self._managed: _ManagedPool | None = None
         self._managed_pool_bytes = managed_pool_bytes
@@ -304,7 +302,6 @@ class TransferEngine:
         """Stop the engine: disconnect, deregister, stop its agent (idempotent)."""
         with self._lock:
             engine, self._engine = self._engine, None
-            self._connected.clear()
             self._batches.clear()
             self._regions = AddressTable()
             self._managed = None
@@ -456,24 +453,13 @@ class TransferEngine:
 
     def _connect(self, target: str) -> Engine:
         engine = self._require()
-        if target in self._connected:
-            return engine
         if not isinstance(target, str):
             raise ParamInvalid(f"target must be a segment name 'ip:port', got {target!r}")
-        with self._lock:  # one handshake per target at a time; others are not held up
-            lock = self._target_locks.setdefault(target, threading.Lock())
-        with lock:
-            if target not in self._connected:
-                with contextlib.suppress(HixlError):  # a stale entry from an earlier failure
-                    engine.disconnect(target)
-                engine.connect(target, self._handshake_timeout)
-                self._connected.add(target)
+        engine.ensure_connected(target, self._handshake_timeout)
         return engine
 
     def _drop(self, target: str) -> None:
-        with self._lock:
-            self._connected.discard(target)
-            engine = self._engine
+        engine = self._engine
         if engine is not None:
             with contextlib.suppress(HixlError):
                 engine.disconnect(target)
@@ -482,7 +468,7 @@ class TransferEngine:
         """action(engine, timeout) on a connected target. Anything but bad input drops the
         connection; a cached one found dead or stale is reopened once, within the deadline."""
         deadline = time.monotonic() + self._transfer_timeout
-        cached = target in self._connected
+        cached = self._engine is not None and self._engine.is_connected(target)
         try:
             return action(self._connect(target), self._transfer_timeout)
         except ParamInvalid:
