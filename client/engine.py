@@ -629,7 +629,8 @@ class Engine:
         READ copies remote memory into local memory, WRITE local into remote. Raises a
         HixlError subclass; `.failed` lists the indexes of ops that did not complete.
         """
-        deadline = self._deadline(timeout)
+        deadline = (time.monotonic() + timeout if type(timeout) is float and timeout > 0
+                    else self._deadline(timeout))
         peer = self._peers.get(remote) or self._peer(remote)
         if op is not TransferOp.WRITE and op is not TransferOp.READ:
             op = _check_op(op)

@@ -37,6 +37,7 @@ class FabricTransport(Transport):
         self._mappings: dict[int, tuple[int, int, Mapping]] = {}  # segment id -> (epoch, delta, map)
         self._lock = threading.Lock()
         self._closed = False
+        self._last: tuple[SegmentInfo | None, int] = (None, 0)
 
     def mapping_delta(self, segment: SegmentInfo) -> int:
         """Offset to add to an owner address of `segment` to get the local mapped address.
@@ -68,14 +69,14 @@ class FabricTransport(Transport):
         if self._closed:
             raise NotConnected(f"fabric path to {self._peer} is closed")
         writing = op == TransferOp.WRITE
-        segment: SegmentInfo | None = None
-        delta = 0
+        segment, delta = self._last  # the segment the previous call ended in, and its delta
         done = 0
         try:
             for item in items:
                 if item.segment is not segment:
                     segment = item.segment
                     delta = self.mapping_delta(segment)
+                    self._last = (segment, delta)
                 if writing:
                     _memmove(item.remote_addr + delta, item.local_addr, item.length)
                 else:
@@ -95,6 +96,7 @@ class FabricTransport(Transport):
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            self._last = (None, 0)
             mappings, self._mappings = self._mappings, {}
         for _, _, mapping in mappings.values():
             mapping.close()
