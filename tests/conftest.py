@@ -158,3 +158,24 @@ def netns() -> Iterator[Callable[[int], Any]]:
     yield make
     for cluster in clusters:
         cluster.close()
+
+
+def random_items(rng: Any, info: Any, local: Any, count: int, max_len: int,
+                 max_gap: int = 3000) -> list[Any]:
+    """Up to `count` transfer items of random lengths (1..max_len) at random gaps
+    (0..max_gap) in both the remote segment `info` and the local ShmSegment `local`, in
+    order and non-overlapping, so frame splits and lane cuts fall inside items."""
+    from hixl.transports.base import Item
+
+    items: list[Item] = []
+    remote = near = 0
+    for index in range(count):
+        length = rng.randint(1, max_len)
+        remote += rng.randint(0, max_gap)
+        near += rng.randint(0, max_gap)
+        if remote + length > info.length or near + length > local.length:
+            break
+        items.append(Item(index, local.addr + near, info, info.base + remote, length))
+        remote += length
+        near += length
+    return items

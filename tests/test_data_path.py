@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import random_items
 
 from hixl import errors, wire
 from hixl.memory import ShmSegment
@@ -94,24 +95,6 @@ def connect(server: DataServer, kind: str) -> Iterator[Callable[..., SocketTrans
 
 def deadline(seconds: float = 20.0) -> float:
     return time.monotonic() + seconds
-
-
-def random_items(rng: random.Random, info: SegmentInfo, local: ShmSegment, count: int,
-                 max_len: int) -> list[Item]:
-    """Items at random, non-overlapping remote ranges and local ranges."""
-    items: list[Item] = []
-    remote_cursor = local_cursor = 0
-    for index in range(count):
-        length = rng.randint(1, max_len)
-        remote_cursor += rng.randint(0, 3000)
-        local_cursor += rng.randint(0, 3000)
-        if remote_cursor + length > info.length or local_cursor + length > local.length:
-            break
-        items.append(Item(index, local.addr + local_cursor, info, info.base + remote_cursor,
-                          length))
-        remote_cursor += length
-        local_cursor += length
-    return items
 
 
 def apply_write(expected: bytearray, info: SegmentInfo, local: ShmSegment,

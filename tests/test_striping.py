@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import random_items
 
 from hixl import errors, wire
 from hixl.memory import ShmSegment
@@ -70,23 +71,6 @@ def deadline(seconds: float = 30.0) -> float:
     return time.monotonic() + seconds
 
 
-def random_batch(rng: random.Random, info: SegmentInfo, local: ShmSegment, count: int,
-                 max_len: int) -> list[Item]:
-    """Items of random lengths at random gaps, so lane cuts fall inside items."""
-    items: list[Item] = []
-    remote = near = 0
-    for index in range(count):
-        length = rng.randint(1, max_len)
-        remote += rng.randint(0, 5000)
-        near += rng.randint(0, 5000)
-        if remote + length > info.length or near + length > local.length:
-            break
-        items.append(Item(index, local.addr + near, info, info.base + remote, length))
-        remote += length
-        near += length
-    return items
-
-
 def test_lane_bounds_cover_the_batch_in_order() -> None:
     assert _lane_bounds(10 * MIB, 1) == [0, 10 * MIB]
     for total in (1, 4097, 5 * MIB + 3, 64 * MIB):
@@ -105,7 +89,7 @@ def test_striped_write_and_read_move_every_byte(served: Served, server: DataServ
     local, back = ShmSegment(24 * MIB), ShmSegment(24 * MIB)
     local.view()[:] = os.urandom(local.length)
     rng = random.Random(frame_limit)
-    items = random_batch(rng, info, local, 40, 900_000)
+    items = random_items(rng, info, local, 40, 900_000, max_gap=5000)
     assert sum(item.length for item in items) > 8 * MIB
     transport = SocketTransport(f"tcp://{server.tcp_address}", stripes=3,
                                 stripe_min_bytes=2 * MIB, frame_limit=frame_limit)
