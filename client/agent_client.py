@@ -127,9 +127,20 @@ class AgentClient:
             segment_id=segment_id, epoch=epoch), f"deregister segment {segment_id}", timeout)
 
     def health(self, timeout: float | None = None) -> dict[str, Any]:
+        """status, engine, node_id, epoch, uptime_s, segments, segment_bytes, peers (list
+        of {kind, address, identity, connected_s}) and registry (how publishing goes)."""
         reply = self._call("Health", agent_pb2.HealthRequest(), "health", timeout)
+        reg = reply.registry
         return {"status": reply.status, "engine": reply.engine, "node_id": reply.node_id,
-                "epoch": reply.epoch, "uptime_s": reply.uptime_s}
+                "epoch": reply.epoch, "uptime_s": reply.uptime_s, "segments": reply.segments,
+                "segment_bytes": reply.segment_bytes,
+                "peers": [{"kind": p.kind, "address": p.address, "identity": p.identity,
+                           "connected_s": p.connected_s} for p in reply.peers],
+                "registry": {"mode": reg.mode, "target": reg.target,
+                             "published": reg.published, "lease_id": reg.lease_id,
+                             "failures": reg.failures, "last_error": reg.last_error,
+                             "last_success_age_s": reg.last_success_age_s,
+                             "engines": reg.engines, "segments": reg.segments}}
 
     def stats(self, timeout: float | None = None) -> dict[str, int]:
         reply = self._call("Stats", agent_pb2.StatsRequest(), "stats", timeout)

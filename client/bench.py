@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -68,11 +68,17 @@ def default_batches(block: int) -> tuple[int, ...]:
     return (1, 256) if block <= 64 * KIB else (1, 8)
 
 
-def human_size(n: int) -> str:
-    """4096 -> '4K', 8994816 -> '8784K', 67108864 -> '64M'."""
-    for unit, scale in (("G", 1 << 30), ("M", MIB), ("K", KIB)):
+def human_size(n: int, *, approximate: bool = False) -> str:
+    """4096 -> '4K', 8994816 -> '8784K', 67108864 -> '64M'; other sizes in bytes ('1000B'),
+    or, with `approximate`, to one decimal of the largest unit below them ('1.5M')."""
+    units = (("T", 1 << 40), ("G", 1 << 30), ("M", MIB), ("K", KIB))
+    for unit, scale in units:
         if n >= scale and n % scale == 0:
             return f"{n // scale}{unit}"
+    if approximate:
+        for unit, scale in units:
+            if n >= scale:
+                return f"{n / scale:.1f}{unit}"
     return f"{n}B"
 
 
@@ -487,7 +493,7 @@ class Side:
         return int(self.local.ctypes.data)
 
 
-def _page_aligned(nbytes: int) -> np.ndarray:
+def page_aligned(nbytes: int) -> np.ndarray:
     """A pre-faulted (written once), page-aligned byte buffer."""
     page = os.sysconf("SC_PAGE_SIZE")
     raw = np.ones(nbytes + page, dtype=np.uint8)
@@ -554,7 +560,7 @@ class Bench:
             engine = Engine(self.local, {"EnableUseFabricMem": PATH_OPTION[path]})
             self._stack.callback(engine.close)
             self._connect(engine)
-            side = Side(path, engine, _page_aligned(self.call_bytes), _page_aligned(verify_bytes))
+            side = Side(path, engine, page_aligned(self.call_bytes), page_aligned(verify_bytes))
             side.handles = [engine.register(side.local), engine.register(side.verify)]
             self.sides[path] = side
         segment = self.sides["fabric"].engine.allocate(self.agent, self.call_bytes, "rw",
@@ -991,7 +997,7 @@ def evaluate_targets(cells: list[dict[str, Any]], *, across_nodes: bool = False
 # ---------------------------------------------------------------- report
 
 
-def _fmt_rate(value: float) -> str:
+def format_rate(value: float) -> str:
     if value >= 1e6:
         return f"{value / 1e6:.2f}M"
     if value >= 1e3:
@@ -999,10 +1005,12 @@ def _fmt_rate(value: float) -> str:
     return f"{value:.0f}"
 
 
-def _table(header: Sequence[str], rows: list[list[str]]) -> str:
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]],
+                 left: Collection[int] = (0, 1, 2)) -> str:
+    """Aligned columns under a header and a rule: the columns in `left` are text
+    (left-aligned), the others numbers (right-aligned)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
-    left = {0, 1, 2}  # text columns; numbers are right-aligned
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w)
@@ -1023,13 +1031,13 @@ def format_report(report: dict[str, Any]) -> str:
                f"{report['host']['cpus']} CPUs")
     cells = report["cells"]
     engine_rows = [[c["path"], c["op"], c["mode"], human_size(c["block"]), str(c["batch"]),
-                    str(c["calls"]), f"{c['gbps']:.3f}", _fmt_rate(c["ops_per_s"]),
+                    str(c["calls"]), f"{c['gbps']:.3f}", format_rate(c["ops_per_s"]),
                     f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}", c["baseline"],
                     f"{c['baseline_gbps']:.3f}", f"{c['ratio']:.2f}x", f"{c['ratio_p50']:.2f}x",
                     f"{c['shm_ratio']:.2f}x" if "shm_ratio" in c else "-"]
                    for c in cells if c["kind"] == "engine"]
     if engine_rows:
-        out += ["", _table(["path", "op", "mode", "block", "batch", "calls", "GB/s", "ops/s",
+        out += ["", format_table(["path", "op", "mode", "block", "batch", "calls", "GB/s", "ops/s",
                             "p50 us", "p99 us", "baseline", "base GB/s", "ratio", "p50 ratio",
                             "vs shm"],
                            engine_rows),
@@ -1038,12 +1046,12 @@ def format_report(report: dict[str, Any]) -> str:
                 "of a run before and after the engine cells; vs shm: / memcpy to or from a "
                 "local shm segment)"]
     base_rows = [[c["name"], c["op"], c["mode"], human_size(c["block"]), str(c["batch"]),
-                  str(c["calls"]), f"{c['gbps']:.3f}", _fmt_rate(c["ops_per_s"]),
+                  str(c["calls"]), f"{c['gbps']:.3f}", format_rate(c["ops_per_s"]),
                   f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}"]
                  for c in cells if c["kind"] == "baseline"]
     if base_rows:
         out += ["", "baselines (same run)",
-                _table(["baseline", "op", "mode", "block", "batch", "calls", "GB/s", "ops/s",
+                format_table(["baseline", "op", "mode", "block", "batch", "calls", "GB/s", "ops/s",
                         "p50 us", "p99 us"], base_rows)]
     mooncake = report.get("mooncake", {})
     vs_rows = [[c["op"], human_size(c["block"]), str(c["batch"]), f"{c['gbps']:.3f}",
@@ -1055,7 +1063,7 @@ def format_report(report: dict[str, Any]) -> str:
         out += ["", f"vs Mooncake TransferEngine {mooncake.get('version', '')} "
                     f"({mooncake.get('protocol')}, {mooncake.get('metadata')}, target "
                     f"{mooncake.get('segment')}), socket path, sync",
-                _table(["op", "block", "batch", "GB/s", "MC GB/s", "ratio", "p50 ratio",
+                format_table(["op", "block", "batch", "GB/s", "MC GB/s", "ratio", "p50 ratio",
                         "p50 us", "MC p50 us"], vs_rows)]
     elif mooncake and not mooncake.get("measured"):
         out += ["", f"Mooncake: not measured: {mooncake.get('reason')}"]
@@ -1064,14 +1072,14 @@ def format_report(report: dict[str, Any]) -> str:
                    f"{h['p99_us']:.1f}", f"{h['gbps']:.3f}"] for h in report["hixl_style"]]
     if style_rows:
         out += ["", "HIXL-style (fresh engine, one block per transfer, first transfer excluded)",
-                _table(["path", "op", "mode", "block", "n", "first us", "mean us", "p50 us",
+                format_table(["path", "op", "mode", "block", "n", "first us", "mean us", "p50 us",
                         "p99 us", "GB/s"], style_rows)]
     target_rows = [[t["target"], f"{t['op']} {t['mode']}",
                     f"{human_size(t['block'])} x{t['batch']}",
-                    f"{t['value']:.2f}" if t["metric"] != "ops_per_s" else _fmt_rate(t["value"]),
+                    f"{t['value']:.2f}" if t["metric"] != "ops_per_s" else format_rate(t["value"]),
                     "met" if t["met"] else "MISSED"] for t in report["targets"]]
     if target_rows:
-        out += ["", "targets", _table(["target", "cell", "size", "value", ""], target_rows)]
+        out += ["", "targets", format_table(["target", "cell", "size", "value", ""], target_rows)]
     out += ["", "correctness: every cell's sampled bytes verified through the other path"
             if report["verified"] else "correctness: FAILED"]
     return "\n".join(out)

@@ -1,4 +1,6 @@
-"""`hixl`: the user's command line. Subcommands: `bench`, `bench-registry` (more, e.g. status/segments/keys, plug in).
+"""`hixl`: the user's command line. Subcommands: `bench`, `bench-registry`, `bench-store`
+(also spelled `hixl bench store`), and the operator queries `status`, `segments`, `keys`
+(hixl.client.admin).
 
 Each subcommand is one `add_<name>(subparsers)` function that declares its flags and sets
 `handler`; `main()` parses and dispatches, turning expected failures into an error line
@@ -147,6 +149,9 @@ def add_bench(subparsers: Any) -> None:
     p.add_argument("--json", metavar="FILE",
                    help="also write every number as JSON to FILE ('-' = stdout; the table "
                         "then goes to stderr)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw GB/s and p50 latency against block size for each path and "
+                        "baseline into FILE.png (needs matplotlib: pip install 'hixl[plot]')")
     p.add_argument("--check-targets", action="store_true",
                    help="exit with status 1 if a performance target is missed")
     progress = p.add_mutually_exclusive_group()
@@ -170,6 +175,10 @@ def bench_config(args: argparse.Namespace) -> bench.BenchConfig:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     config = bench_config(args)
+    if args.plot:
+        from hixl.client.bench_plot import check_plot_target
+
+        check_plot_target(args.plot)
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     report = bench.run_bench(config, sys.stderr if show_progress else None)
     table_stream = sys.stderr if args.json == "-" else sys.stdout
@@ -181,6 +190,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         else:
             with open(args.json, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
+    if args.plot:
+        from hixl.client.bench_plot import plot_report
+
+        plot_report(report, args.plot)
+        print(f"plot written to {args.plot}", file=table_stream, flush=True)
     if args.check_targets and not all(t["met"] for t in report["targets"]):
         return EXIT_FAILED
     return 0
@@ -248,19 +262,209 @@ def _emit(table: str, report: dict[str, Any], json_target: str | None) -> None:
             f.write(text + "\n")
 
 
+# ---------------------------------------------------------------- bench store
+
+
+def add_bench_store(subparsers: Any) -> None:
+    from hixl.client.store_bench import StoreBenchConfig
+
+    defaults = StoreBenchConfig()
+    p = subparsers.add_parser(
+        "bench-store", help="measure the KV store (put/get and their forms) against Mooncake "
+                            "Store; also `hixl bench store`",
+        description="Start a hixl-master and a segment holder process (a store client that "
+                    "contributes the pool's memory), then put and get values of each size "
+                    "from this process (which contributes none), with put, get, put_from, "
+                    "get_into and the batch forms; Mooncake Store runs side by side in the "
+                    "same arrangement when it is installed. Prints GB/s, keys/s, p50/p99 "
+                    "latency per call (medians over runs) and the ratio to Mooncake. Every "
+                    "value is compared byte for byte; a wrong byte fails the command.")
+    p.add_argument("--sizes", type=_size_list, default=defaults.sizes,
+                   help="value sizes (default 64K,1M,8784K)")
+    p.add_argument("--batch", type=_positive_int, default=defaults.batch,
+                   help=f"keys per call of the batch forms (default {defaults.batch})")
+    p.add_argument("--runs", type=_positive_int, default=defaults.runs,
+                   help=f"runs per cell; medians are reported (default {defaults.runs})")
+    p.add_argument("--run-bytes", type=_one_size, default=defaults.run_bytes,
+                   help="bytes one run moves, in 5 to 200 calls (default 64M)")
+    p.add_argument("--master", metavar="HOST:PORT", type=_host_port,
+                   help="use this running hixl-master (default: start a private one)")
+    p.add_argument("--mooncake-master", metavar="HOST:PORT", type=_host_port,
+                   help="use this running mooncake_master (default: start a private one)")
+    p.add_argument("--no-holder", action="store_false", dest="holders",
+                   help="start no segment holders: they are mounted at the masters already "
+                        "(e.g. on another node: `python -m hixl.client.store_bench --holder "
+                        "hixl|mooncake --master HOST:PORT --host IP --segment BYTES`)")
+    p.add_argument("--local", metavar="IP",
+                   help="this side's IP for the clients (default: the one routing to the master)")
+    p.add_argument("--no-mooncake", action="store_false", dest="mooncake",
+                   help="do not measure Mooncake Store (default: measured when mooncake.store "
+                        "imports)")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write every number as JSON to FILE ('-' = stdout; the table "
+                        "then goes to stderr)")
+    p.add_argument("--check-targets", action="store_true",
+                   help="exit with status 1 if a target ratio to Mooncake is missed")
+    progress = p.add_mutually_exclusive_group()
+    progress.add_argument("--progress", action="store_true", default=None,
+                          help="show progress on stderr (default: when stderr is a terminal)")
+    progress.add_argument("--no-progress", action="store_false", dest="progress")
+    p.set_defaults(handler=run_bench_store_command)
+
+
+def store_bench_config(args: argparse.Namespace) -> Any:
+    """The StoreBenchConfig that `hixl bench store` flags describe."""
+    from hixl.client.store_bench import StoreBenchConfig
+
+    return StoreBenchConfig(
+        sizes=args.sizes, batch=args.batch, runs=args.runs, run_bytes=args.run_bytes,
+        master=args.master, mooncake=args.mooncake, mooncake_master=args.mooncake_master,
+        holders=args.holders, local=args.local)
+
+
+def run_bench_store_command(args: argparse.Namespace) -> int:
+    from hixl.client import store_bench
+
+    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
+    report = store_bench.run_store_bench(store_bench_config(args),
+                                         sys.stderr if show_progress else None)
+    _emit(store_bench.format_store_report(report), report, args.json)
+    if args.check_targets and not all(t["met"] for t in report["targets"]):
+        return EXIT_FAILED
+    return 0
+
+
+# ---------------------------------------------------------------- status, segments, keys
+
+
+def _admin_flags(p: argparse.ArgumentParser, *, json_help: str) -> None:
+    """Flags every operator query shares: token file, deadline, JSON output."""
+    from hixl.client import admin
+
+    p.add_argument("--token-file", metavar="PATH",
+                   help="cluster token file (default: $HIXL_CLUSTER_TOKEN or "
+                        "$HIXL_CLUSTER_TOKEN_FILE; none: no authentication)")
+    p.add_argument("--timeout", type=_positive_float, default=admin.DEFAULT_TIMEOUT_S,
+                   help=f"deadline of every call in seconds (default {admin.DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--json", action="store_true", help=json_help)
+
+
+def _token(args: argparse.Namespace) -> bytes | None:
+    from hixl.auth import load_token
+
+    return load_token(args.token_file or None)
+
+
+def add_status(subparsers: Any) -> None:
+    from hixl.client import admin
+
+    p = subparsers.add_parser(
+        "status", help="health of an agent and a master: segments, peers, registry, store",
+        description="Ask an agent (Health, Stats) and a hixl-master (registry and store) how "
+                    "they are. With no flags: the local agent, and the master it publishes "
+                    "to, if any. Exit status 0 when every endpoint asked is healthy, 1 with "
+                    "a line naming the endpoint and why when one is not.")
+    p.add_argument("--agent", metavar="HOST:PORT", type=_host_port,
+                   help=f"agent to ask (default {admin.DEFAULT_AGENT} unless only --master "
+                        "is given)")
+    p.add_argument("--master", metavar="HOST:PORT", type=_host_port,
+                   help="hixl-master to ask (default: the agent's master, if it has one)")
+    _admin_flags(p, json_help="print the report as JSON instead of text")
+    p.set_defaults(handler=run_status_command)
+
+
+def run_status_command(args: argparse.Namespace) -> int:
+    from hixl.client import admin
+
+    agent = args.agent or (None if args.master else admin.DEFAULT_AGENT)
+    report = admin.status(agent, args.master, token=_token(args), timeout=args.timeout)
+    print(json.dumps(report, indent=2) if args.json else admin.format_status(report),
+          flush=True)
+    for endpoint in (report["agent"], report["master"]):
+        for problem in endpoint["problems"] if endpoint else ():
+            print(f"hixl status: error: {problem}", file=sys.stderr)
+    return 0 if report["ok"] else EXIT_FAILED
+
+
+def add_segments(subparsers: Any) -> None:
+    from hixl.client import admin
+
+    p = subparsers.add_parser(
+        "segments", help="the global segment table",
+        description="Print the global table: every published segment with its engine, node, "
+                    "id and name, base address, length, permissions, epoch and data "
+                    "endpoint; from a hixl-master's registry, or an agent's embedded one (an "
+                    "agent that publishes to a master shows its own segments).")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--master", metavar="HOST:PORT", type=_host_port,
+                        help="read the registry of this hixl-master")
+    source.add_argument("--agent", metavar="HOST:PORT", type=_host_port,
+                        help=f"read this agent (default {admin.DEFAULT_AGENT})")
+    p.add_argument("--node", metavar="NODE_ID", help="only segments on this node")
+    _admin_flags(p, json_help="print the segments as JSON instead of a table")
+    p.set_defaults(handler=run_segments_command)
+
+
+def run_segments_command(args: argparse.Namespace) -> int:
+    from hixl.client import admin
+
+    listing = admin.segments(master=args.master, agent=args.agent, node=args.node,
+                             token=_token(args), timeout=args.timeout)
+    print(json.dumps(listing, indent=2) if args.json else admin.format_segments(listing),
+          flush=True)
+    return 0
+
+
+def add_keys(subparsers: Any) -> None:
+    from hixl.client import admin
+
+    p = subparsers.add_parser(
+        "keys", help="objects in the KV store, by key pattern",
+        description="List the store's objects whose key matches PATTERN (a Python regular "
+                    "expression, searched anywhere in the key; default: every key), sorted "
+                    "by key: size, state, replicas (their segments), lease and pins. Takes "
+                    "no lease and counts as no access.")
+    p.add_argument("pattern", metavar="PATTERN", nargs="?", default="",
+                   help="regular expression (default: all keys)")
+    p.add_argument("--master", metavar="HOST:PORT", type=_host_port, required=True,
+                   help="the hixl-master serving the store")
+    p.add_argument("--limit", type=_positive_int, default=admin.DEFAULT_KEY_LIMIT,
+                   help=f"list at most this many keys (default {admin.DEFAULT_KEY_LIMIT}; the "
+                        "master lists at most 10000 per call)")
+    _admin_flags(p, json_help="print the keys as JSON instead of a table")
+    p.set_defaults(handler=run_keys_command)
+
+
+def run_keys_command(args: argparse.Namespace) -> int:
+    from hixl.client import admin
+
+    listing = admin.keys(args.master, args.pattern, limit=args.limit, token=_token(args),
+                         timeout=args.timeout)
+    print(json.dumps(listing, indent=2) if args.json else admin.format_keys(listing),
+          flush=True)
+    if listing["truncated"]:
+        print(f"hixl keys: truncated: {listing['total']} keys match, {len(listing['keys'])} "
+              "listed", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------- entry point
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hixl", description="hixl command-line tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (add_bench, add_bench_registry):
+    for add in (add_bench, add_bench_registry, add_bench_store, add_status, add_segments,
+                add_keys):
         add(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console script `hixl`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "store"]:  # `hixl bench store ...` is `hixl bench-store ...`
+        argv = ["bench-store", *argv[2:]]
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))

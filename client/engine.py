@@ -42,6 +42,15 @@ from hixl.errors import (
     Unsupported,
 )
 from hixl.memory import BufferRange, ShmSegment, buffer_range
+from hixl.metrics import (
+    CollectorRegistry,
+    FunctionCollector,
+    MetricsServer,
+    Traffic,
+    TrafficTable,
+    gauge,
+    traffic_families,
+)
 from hixl.options import EngineOptions
 from hixl.table import MAX_ADDRESS, AddressTable, check_range
 from hixl.transports.base import Item, Transport
@@ -54,8 +63,12 @@ log = logging.getLogger("hixl.engine")
 DEFAULT_TIMEOUT_S = 1.0  # HIXL's default timeout_in_millis is 1000
 REGISTRY_ENV = "HIXL_REGISTRY"  # registry address when Engine(registry=...) is not given
 ASYNC_WORKERS = 4
-INLINE_ASYNC_BYTES = 256 << 10
-_NEED_WRITE, _NEED_READ = int(Perm.WRITE), int(Perm.READ)  # plain ints: IntFlag ops are slow  # async fabric transfers up to this size complete in the call
+INLINE_ASYNC_BYTES = 256 << 10  # async fabric transfers up to this size complete in the call
+_NEED_WRITE, _NEED_READ = int(Perm.WRITE), int(Perm.READ)  # plain ints: IntFlag ops are slow
+PATHS = ("fabric", "tcp", "unix")  # the data paths an op can take (`Engine.route`)
+_monotonic = time.monotonic
+# module constants: `TransferOp.WRITE` is an enum class lookup, ~35 ns on the hot path
+_WRITE, _READ = TransferOp.WRITE, TransferOp.READ
 
 
 def parse_engine_name(name: str) -> tuple[str, int]:
@@ -89,6 +102,21 @@ def _agent_info(view: Any) -> Any:
                      fabric_domain=ends.fabric_domain, epoch=info.epoch,
                      data_tcp=ends.data_tcp, data_unix=ends.data_unix,
                      fd_socket=ends.fd_socket, segments=view.segments())
+
+
+def _account(peer: _Peer, op: TransferOp, fabric_items: list[Item], socket_items: list[Item],
+             nbytes: int, start: float) -> None:
+    """Count a finished call (once per call, not per op) in the traffic of the path it
+    took; a call that took both paths counts its whole time in each."""
+    seconds = _monotonic() - start
+    if socket_items:
+        if fabric_items:
+            part = sum(item.length for item in fabric_items)
+            peer.fabric_traffic[op].add(len(fabric_items), part, seconds)  # type: ignore[index]
+            nbytes -= part
+        peer.socket_traffic[op].add(len(socket_items), nbytes, seconds)  # type: ignore[index]
+    else:
+        peer.fabric_traffic[op].add(len(fabric_items), nbytes, seconds)  # type: ignore[index]
 
 
 def _check_op(op: Any) -> TransferOp:
@@ -139,6 +167,9 @@ class _Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     hint: SegmentInfo | None = None  # the segment the last transfer ended in
     view: Any | None = None  # the GlobalTable EngineView `table` came from (registry mode)
+    # the engine's traffic counters of each path to this peer, (read, write) by TransferOp
+    fabric_traffic: tuple[Traffic, Traffic] | None = None
+    socket_traffic: tuple[Traffic, Traffic] | None = None
 
 
 class TransferRequest:
@@ -206,6 +237,10 @@ class Engine:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._server: Any | None = None
+        #: bytes, ops, call latency and failures of this engine's transfers, per path and
+        #: direction (see metrics_collector); counted once per call, never per op
+        self.traffic = TrafficTable(PATHS)
+        self._metrics: Any | None = None  # the MetricsServer of start_metrics_server
         if self.registry:
             from hixl.client.global_table import GlobalTable
 
@@ -260,6 +295,8 @@ class Engine:
             self._release(handle)
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._metrics is not None:
+            self._metrics.close()
         if self._server is not None:
             self._server.stop()
         if self._global is not None:
@@ -433,7 +470,8 @@ class Engine:
                           if same_node and info.data_unix and os.path.exists(info.data_unix)
                           else f"tcp://{info.data_tcp}")
         return _Peer(remote, info, client, table, info.epoch, fabric, fd_client, socket_address,
-                     view=view)
+                     view=view, fabric_traffic=self.traffic.pair("fabric"),
+                     socket_traffic=self.traffic.pair(socket_address.partition("://")[0]))
 
     def _same_node_fd_client(self, remote: str, info: Any, timeout: float) -> Any | None:
         """The fd socket of `remote`'s agent when that agent runs on this node, else None.
@@ -516,6 +554,52 @@ class Engine:
 
     def is_connected(self, remote: str) -> bool:
         return remote in self._peers
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics_collector(self) -> FunctionCollector:
+        """A Prometheus collector of this engine: bytes, ops, call latency and failures of
+        its transfers per path (fabric, tcp, unix) and direction, peers, registered memory.
+
+        Register it on your own CollectorRegistry. The counters are plain integers bumped
+        once per transfer call (the fabric path runs in this process, so only the engine
+        can count it); this reads them when scraped.
+        """
+        return FunctionCollector(self._metric_families, f"engine {self.name}")
+
+    def start_metrics_server(self, port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
+        """Serve this engine's metrics, and its embedded agent's, on
+        http://host:port/metrics (port 0: a free one, see `.port`); stopped by close().
+        A port in use raises ConfigError."""
+        self._check_open()
+        with self._lock:
+            if self._metrics is not None:
+                raise ParamInvalid(f"engine {self.name} already serves metrics on "
+                                   f"{self._metrics.url}")
+            registry = CollectorRegistry()
+            registry.register(self.metrics_collector())
+            if self._server is not None:
+                registry.register(self._server.metrics_collector())
+            self._metrics = MetricsServer(registry, host, port, "start_metrics_server(port)")
+            return self._metrics
+
+    def _metric_families(self) -> list[Any]:
+        with self._lock:
+            peers = len(self._peers)
+            handles = [h for h in self._handles.values() if h.registered]
+        return [
+            *traffic_families("hixl_engine_transfer",
+                              "moved by this engine's completed transfer calls (write: PUT "
+                              "to a peer, read: GET from one)", "path", self.traffic.rows(),
+                              timed="each completed transfer call (a batch)",
+                              errors="Failed transfer calls, by HIXL status name"),
+            gauge("hixl_engine_peers", "Engines this engine is connected to.", (),
+                  [((), peers)]),
+            gauge("hixl_engine_registered_bytes", "Local memory registered for transfers.",
+                  (), [((), sum(h.length for h in handles))]),
+            gauge("hixl_engine_registered_regions", "Local memory registrations.", (),
+                  [((), len(handles))]),
+        ]
 
     def ensure_connected(self, remote: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Connect to `remote` unless connected already: for adapters that connect lazily
@@ -628,26 +712,58 @@ class Engine:
 
         READ copies remote memory into local memory, WRITE local into remote. Raises a
         HixlError subclass; `.failed` lists the indexes of ops that did not complete.
+        A completed call counts its ops, bytes and time in `traffic` (its path and
+        direction), a failed one its status in that path's errors.
         """
-        deadline = (time.monotonic() + timeout if type(timeout) is float and timeout > 0
-                    else self._deadline(timeout))
+        start = _monotonic()
+        deadline = start + timeout if type(timeout) is float and timeout > 0 \
+            else self._deadline(timeout)
         peer = self._peers.get(remote) or self._peer(remote)
-        if op is not TransferOp.WRITE and op is not TransferOp.READ:
+        if op is not _WRITE and op is not _READ:
             op = _check_op(op)
-        fabric_items, socket_items = self._resolve(peer, op, descs)
+        fabric_items, socket_items, nbytes = self._resolve(peer, op, descs)
         # _move, inlined: this is the per-call overhead a 1 MiB fabric copy (~23 µs) pays
         if fabric_items:
-            peer.fabric.transfer(op, fabric_items, deadline)  # type: ignore[union-attr]
+            try:
+                peer.fabric.transfer(op, fabric_items, deadline)  # type: ignore[union-attr]
+            except Exception as exc:
+                peer.fabric_traffic[op].failed(exc)  # type: ignore[index]
+                raise
+            if not socket_items:  # the usual call, one path: _account and Traffic.add, inlined
+                seconds = _monotonic() - start
+                traffic = peer.fabric_traffic[op]  # type: ignore[index]
+                traffic.ops += len(fabric_items)
+                traffic.bytes += nbytes
+                latency = traffic.latency
+                latency.buckets[int(seconds * 1e6).bit_length()] += 1
+                latency.sum += seconds
+                return
         if socket_items:
-            self._socket(peer).transfer(op, socket_items, deadline)
+            try:
+                self._socket(peer).transfer(op, socket_items, deadline)
+            except Exception as exc:
+                peer.socket_traffic[op].failed(exc)  # type: ignore[index]
+                raise
+        _account(peer, op, fabric_items, socket_items, nbytes, start)
 
     def _move(self, peer: _Peer, op: TransferOp, fabric_items: list[Item],
-              socket_items: list[Item], deadline: float) -> None:
+              socket_items: list[Item], nbytes: int, start: float, deadline: float) -> None:
+        """Move the resolved items (`transfer`'s second half; async calls run it later)."""
         if fabric_items:
-            assert peer.fabric is not None
-            peer.fabric.transfer(op, fabric_items, deadline)
+            assert peer.fabric is not None and peer.fabric_traffic is not None
+            try:
+                peer.fabric.transfer(op, fabric_items, deadline)
+            except Exception as exc:
+                peer.fabric_traffic[op].failed(exc)
+                raise
         if socket_items:
-            self._socket(peer).transfer(op, socket_items, deadline)
+            assert peer.socket_traffic is not None
+            try:
+                self._socket(peer).transfer(op, socket_items, deadline)
+            except Exception as exc:
+                peer.socket_traffic[op].failed(exc)
+                raise
+        _account(peer, op, fabric_items, socket_items, nbytes, start)
 
     @staticmethod
     def _deadline(timeout: float) -> float:
@@ -664,8 +780,10 @@ class Engine:
                                                   cluster_token=self._cluster_token)
         return peer.socket
 
-    def _resolve(self, peer: _Peer, op: TransferOp, descs: Sequence[Any]) -> tuple[list[Item], list[Item]]:
+    def _resolve(self, peer: _Peer, op: TransferOp, descs: Sequence[Any],
+                 ) -> tuple[list[Item], list[Item], int]:
         """Check every op against both tables before any byte moves; split by path.
+        Returns (fabric items, socket items, bytes in all).
 
         Hot path (300k+ ops/s): consecutive ops usually stay in one local region and one
         remote segment, so those ranges are kept in locals and looked up again only when
@@ -678,7 +796,7 @@ class Engine:
             self._follow_view(peer)
         fabric_items: list[Item] = []
         socket_items: list[Item] = []
-        writing = op == TransferOp.WRITE
+        writing = op is _WRITE
         need = _NEED_WRITE if writing else _NEED_READ
         # ranges that the previous call resolved: checked again below, looked up only on a miss
         l_base, l_end, l_readonly = self._local_hint
@@ -689,6 +807,7 @@ class Engine:
         items = fabric_items if segment is not None and peer.fabric is not None and segment.shareable \
             else socket_items
         refreshed = False
+        nbytes = 0
         for index, desc in enumerate(descs):
             if type(desc) is TransferOpDesc:
                 local_addr, remote_addr, length = desc.local_addr, desc.remote_addr, desc.len
@@ -712,9 +831,10 @@ class Engine:
                 r_base, r_end = segment.base, segment.end
                 items = fabric_items if peer.fabric is not None and segment.shareable else socket_items
             items.append(Item(index, local_addr, segment, remote_addr, length))  # type: ignore[arg-type]
+            nbytes += length
         self._local_hint = (l_base, l_end, l_readonly)
         peer.hint = segment
-        return fabric_items, socket_items
+        return fabric_items, socket_items, nbytes
 
     def _local_region(self, index: int, addr: int, length: int) -> tuple[int, int, bool]:
         """(base, end, readonly) of the registered local region holding the op."""
@@ -741,21 +861,23 @@ class Engine:
     def transfer_async(self, remote: str, op: TransferOp, descs: Sequence[Any],
                        timeout: float = 30.0) -> TransferRequest:
         """Start a transfer in the background; input is checked now, bytes move later."""
+        start = _monotonic()
         deadline = self._deadline(timeout)
         peer = self._peer(remote)
         op = _check_op(op)
-        fabric_items, socket_items = self._resolve(peer, op, descs)
-        if not socket_items and sum(item.length for item in fabric_items) <= INLINE_ASYNC_BYTES:
+        fabric_items, socket_items, nbytes = self._resolve(peer, op, descs)
+        if not socket_items and nbytes <= INLINE_ASYNC_BYTES:
             # a few µs of memmove: done here, cheaper than waking a worker thread
             done: Future[None] = Future()
             try:
-                self._move(peer, op, fabric_items, socket_items, deadline)
+                self._move(peer, op, fabric_items, socket_items, nbytes, start, deadline)
             except HixlError as exc:
                 done.set_exception(exc)
             else:
                 done.set_result(None)
             return TransferRequest(done, deadline, remote)
-        future = self._executor().submit(self._move, peer, op, fabric_items, socket_items, deadline)
+        future = self._executor().submit(self._move, peer, op, fabric_items, socket_items,
+                                         nbytes, start, deadline)
         return TransferRequest(future, deadline, remote)
 
     def _executor(self) -> ThreadPoolExecutor:

@@ -15,6 +15,7 @@ it has a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -22,7 +23,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hixl.errors import HixlError, NotConnected, OutOfRange, ParamInvalid
-from hixl.registry_client import EngineEndpoints, EngineInfo, RegistryClient, WatchEvent
+from hixl.registry_client import (
+    EngineEndpoints,
+    EngineInfo,
+    RegistryClient,
+    WatchEvent,
+    collector_paused,
+)
 from hixl.table import AddressTable
 from hixl.types import SegmentInfo
 
@@ -124,9 +131,13 @@ class GlobalTable:
             raise NotConnected(f"engine {engine!r} is not in the registry {self.registry} "
                                "(never published, or its lease expired)")
         try:
-            return view.table.find(addr, length, f"engine {engine!r} address")[1]
-        except OutOfRange as exc:
-            raise OutOfRange(f"{exc.args[0]} (registry {self.registry})") from None
+            return view.table.find(addr, length)[1]
+        except OutOfRange:  # only now pay for naming the engine: hits are the hot path
+            try:
+                view.table.find(addr, length, f"engine {engine!r} address")
+            except OutOfRange as exc:
+                raise OutOfRange(f"{exc.args[0]} (registry {self.registry})") from None
+            raise
 
     def wait_for(self, predicate: Callable[[GlobalTable], bool], timeout: float) -> bool:
         """Wait until `predicate(table)` holds (True) or `timeout` seconds pass (False).
@@ -209,7 +220,8 @@ class GlobalTable:
     def _apply(self, event: WatchEvent) -> None:
         """Build the changed views, swap them in, then bump the version and wake waiters."""
         if event.kind == "SNAPSHOT":
-            self._views = self._snapshot_views(event.engines, event.segments)
+            with collector_paused():  # a whole table of new objects: see collector_paused
+                self._views = self._snapshot_views(event.engines, event.segments)
         else:
             views = dict(self._views)
             if event.kind == "ENGINE_UP":
@@ -265,6 +277,10 @@ def _changed_view(held: EngineView | None, engine: str, segments: list[SegmentIn
     if info is None:
         info = held.info if held is not None else EngineInfo(
             engine, segments[0].node_id, segments[0].epoch, EngineEndpoints())
+    if added and (held is None or not held.table):
+        # A whole table (a snapshot, a new engine): one bulk load, not a bisect insert each.
+        with contextlib.suppress(ParamInvalid):  # an overlap: the loop below names it
+            return EngineView(info, AddressTable.bulk((s.base, s.length, s) for s in segments))
     table = held.table.copy() if held is not None else AddressTable()
     for segment in sorted(segments, key=lambda s: s.base) if added else segments:
         if added:

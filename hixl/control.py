@@ -7,21 +7,31 @@ exception class with the same HIXL status, instead of a generic RPC failure.
 Cluster-token authentication of gRPC (hixl.auth) lives here too: `TokenInterceptor`
 makes a server refuse, with UNAUTHENTICATED, every call that does not prove the token;
 `authenticated_channel` makes a client channel prove it on every call.
+
+So do request ids (hixl.logs): every client call sends `x-request-id` (the current
+request's id, or a fresh one), `RequestIdInterceptor` makes it current for the server's
+handler, `abort_with` logs each failed call once (code, request id, fix hint) and returns
+the id in trailing metadata, and `error_from_rpc` puts it in the client's exception.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
+import dataclasses
 import functools
+import inspect
+import itertools
 import logging
+import operator
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
 
-from hixl import auth, errors
+from hixl import auth, errors, logs
 from hixl.errors import (
     AuthenticationFailed,
     HixlError,
@@ -37,6 +47,7 @@ from hixl.types import MemType, Perm, SegmentInfo
 from hixl.v1 import agent_pb2
 
 log = logging.getLogger("hixl.auth")
+rpc_log = logging.getLogger("hixl.rpc")
 
 STATUS_KEY = "hixl-status"
 ERROR_KEY = "hixl-error"
@@ -85,18 +96,107 @@ def segment_to_pb(info: SegmentInfo) -> agent_pb2.Segment:
         epoch=info.epoch, shareable=info.shareable, name=info.name)
 
 
+#: Wire value -> enum member, for every valid value: decoding is one dict read (calling
+#: the enum costs ~0.3 us), and a value outside the enums is refused by name, not guessed.
+_MEM_TYPES: dict[int, MemType] = {int(member): member for member in MemType}
+_PERMS: dict[int, Perm] = {bits: Perm(bits) for bits in range(int(Perm.RW) + 1)}
+
+if [f.name for f in dataclasses.fields(SegmentInfo)] != [
+        "segment_id", "engine", "node_id", "base", "length", "mem_type", "perms", "epoch",
+        "shareable", "name"] or hasattr(SegmentInfo, "__post_init__"):
+    raise TypeError("SegmentInfo changed shape: update hixl.control._segment_info")
+
+_new_object = object.__new__
+_set = object.__setattr__
+
+
+def _segment_info(segment_id: int, engine: str, node_id: str, base: int, length: int,
+                  mem_type: MemType, perms: Perm, epoch: int, shareable: bool,
+                  name: str) -> SegmentInfo:
+    """SegmentInfo(...) for decoders, with checked fields: the very same immutable, equal,
+    hashable value for ~60% of the cost (the frozen dataclass's __init__ looks up
+    object.__setattr__ anew for each field), which 100k-segment snapshots feel."""
+    segment = _new_object(SegmentInfo)
+    _set(segment, "segment_id", segment_id)
+    _set(segment, "engine", engine)
+    _set(segment, "node_id", node_id)
+    _set(segment, "base", base)
+    _set(segment, "length", length)
+    _set(segment, "mem_type", mem_type)
+    _set(segment, "perms", perms)
+    _set(segment, "epoch", epoch)
+    _set(segment, "shareable", shareable)
+    _set(segment, "name", name)
+    return segment
+
+
+def add_segments(field: Any, segments: Iterable[SegmentInfo]) -> None:
+    """Append `segments` to a `repeated Segment` field, each built in place: about half the
+    cost of segment_to_pb's, whose message is then copied into the field."""
+    add = field.add
+    for info in segments:
+        add(segment_id=info.segment_id, engine=info.engine, node_id=info.node_id,
+            base=info.base, length=info.length, mem_type=info.mem_type, perms=info.perms,
+            epoch=info.epoch, shareable=info.shareable, name=info.name)
+
+
 def segment_from_pb(pb: agent_pb2.Segment) -> SegmentInfo:
     """Decode a Segment; values outside the enums are refused by name, not guessed."""
-    try:
-        mem_type = MemType(pb.mem_type)
-    except ValueError:
-        raise ParamInvalid(f"segment {pb.segment_id}: unknown mem_type {pb.mem_type}") from None
-    if pb.perms & ~int(Perm.RW):
+    mem_type = _MEM_TYPES.get(pb.mem_type)
+    if mem_type is None:
+        raise ParamInvalid(f"segment {pb.segment_id}: unknown mem_type {pb.mem_type}")
+    perms = _PERMS.get(pb.perms)
+    if perms is None:
         raise ParamInvalid(f"segment {pb.segment_id}: unknown permission bits {pb.perms:#x}")
-    return SegmentInfo(
-        segment_id=pb.segment_id, engine=pb.engine, node_id=pb.node_id, base=pb.base,
-        length=pb.length, mem_type=mem_type, perms=Perm(pb.perms), epoch=pb.epoch,
-        shareable=pb.shareable, name=pb.name)
+    return _segment_info(pb.segment_id, pb.engine, pb.node_id, pb.base, pb.length, mem_type,
+                         perms, pb.epoch, pb.shareable, pb.name)
+
+
+_owner = operator.attrgetter("engine", "node_id", "epoch")
+
+
+def segments_to_columns(segments: Iterable[SegmentInfo], chunk: int = 0,
+                        ) -> list[agent_pb2.SegmentColumns]:
+    """`segments` in compact form, in order: one SegmentColumns per run of segments sharing
+    engine, node and epoch, split every `chunk` segments (0: never)."""
+    blocks: list[agent_pb2.SegmentColumns] = []
+    for (engine, node_id, epoch), run in itertools.groupby(segments, key=_owner):
+        owned = list(run)
+        step = chunk or len(owned)
+        for start in range(0, len(owned), step):
+            part = owned[start:start + step]
+            blocks.append(agent_pb2.SegmentColumns(
+                engine=engine, node_id=node_id, epoch=epoch,
+                segment_id=[s.segment_id for s in part], base=[s.base for s in part],
+                length=[s.length for s in part], mem_type=[s.mem_type for s in part],
+                perms=[s.perms for s in part], shareable=[s.shareable for s in part],
+                name=[s.name for s in part]))
+    return blocks
+
+
+def segments_from_columns(pb: agent_pb2.SegmentColumns) -> list[SegmentInfo]:
+    """Decode a SegmentColumns block in bulk, checked as segment_from_pb checks a Segment;
+    columns of unequal lengths (a malformed block) are refused, never cut short."""
+    ids = pb.segment_id
+    columns = (pb.base, pb.length, pb.mem_type, pb.perms, pb.shareable, pb.name)
+    if any(len(column) != len(ids) for column in columns):
+        raise ParamInvalid(f"segment columns of engine {pb.engine!r}: columns of unequal "
+                           f"lengths {[len(ids), *map(len, columns)]}")
+    mem_types = [_MEM_TYPES.get(value) for value in pb.mem_type]
+    perms = [_PERMS.get(value) for value in pb.perms]
+    if None in mem_types:
+        index = mem_types.index(None)
+        raise ParamInvalid(f"segment {ids[index]}: unknown mem_type {pb.mem_type[index]}")
+    if None in perms:
+        index = perms.index(None)
+        raise ParamInvalid(f"segment {ids[index]}: unknown permission bits "
+                           f"{pb.perms[index]:#x}")
+    engine, node_id, epoch = pb.engine, pb.node_id, pb.epoch
+    return [_segment_info(segment_id, engine, node_id, base, length, mem_type, perm, epoch,
+                          shareable, name)
+            for segment_id, base, length, mem_type, perm, shareable, name
+            in zip(ids, pb.base, pb.length, mem_types, perms, pb.shareable, pb.name,
+                   strict=True)]
 
 
 # ---------------------------------------------------------------- errors
@@ -109,11 +209,33 @@ def grpc_code_for(exc: HixlError) -> grpc.StatusCode:
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: HixlError) -> None:
-    """End the RPC with `exc`: its gRPC code, message and (in metadata) its exact type."""
+    """End the RPC with `exc`: its gRPC code, message and (in metadata) its exact type and
+    the request id. The one place a failed call is logged: once, with its code and hint."""
     message = str(exc.args[0]) if exc.args else type(exc).__name__
-    await context.abort(
-        grpc_code_for(exc), message,
-        trailing_metadata=((STATUS_KEY, str(exc.status)), (ERROR_KEY, type(exc).__name__)))
+    log_rpc_failure(exc, context)
+    metadata = [(STATUS_KEY, str(exc.status)), (ERROR_KEY, type(exc).__name__)]
+    request_id = logs.current_request_id()
+    if request_id:
+        metadata.append((logs.REQUEST_ID_KEY, request_id))
+    await context.abort(grpc_code_for(exc), message, trailing_metadata=tuple(metadata))
+
+
+def log_rpc_failure(exc: HixlError, context: grpc.aio.ServicerContext | None = None) -> None:
+    """One line for a failed call: WARNING when the caller can fix it, ERROR when hixl
+    failed; with the method, the caller, the HIXL code and the fix hint (errors.HINTS)."""
+    level = logging.ERROR if errors.is_internal(exc) else logging.WARNING
+    if not rpc_log.isEnabledFor(level):
+        return
+    method = _RPC_METHOD.get() or "call"
+    peer = ""
+    if context is not None:
+        with contextlib.suppress(Exception):  # a context without a peer must not matter
+            peer = str(context.peer())
+    message = str(exc.args[0]) if exc.args else type(exc).__name__
+    logs.log_failure(rpc_log, level, f"{method} from {peer or '?'} failed: "
+                     f"{type(exc).__name__}: {message}", code=exc.status_name,
+                     number=exc.status, hint=errors.hint_for(exc), error=type(exc).__name__,
+                     rpc=method)
 
 
 def _metadata(exc: grpc.RpcError) -> dict[str, str]:
@@ -139,6 +261,9 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> HixlError:
     code = code_fn() if callable(code_fn) else grpc.StatusCode.UNKNOWN
     details = (details_fn() if callable(details_fn) else None) or str(exc)
     meta = _metadata(exc)
+    request_id = logs.valid_request_id(meta.get(logs.REQUEST_ID_KEY))
+    if request_id:  # the server logged this failure under that id
+        details = f"{details} (request {request_id})"
     cls = error_class(meta.get(ERROR_KEY, ""))
     if cls is not None:
         status: int | None = None
@@ -188,10 +313,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 def _refusal(handler: grpc.RpcMethodHandler | None, method: str,
              why: str) -> grpc.RpcMethodHandler:
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        log.warning("refused %s from %s: %s", method, context.peer(), why)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why, trailing_metadata=(
-            (STATUS_KEY, str(AuthenticationFailed.status)),
-            (ERROR_KEY, AuthenticationFailed.__name__)))
+        await abort_with(context, AuthenticationFailed(why))
 
     if handler is not None and handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse)
@@ -202,6 +324,107 @@ def _text(value: str | bytes) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
+# ---------------------------------------------------------------- request ids
+
+#: the method of the call being served ("/hixl.v1.Agent/AllocateSegment"), for log lines
+_RPC_METHOD: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "hixl_rpc_method", default=None)
+
+
+class RequestIdInterceptor(grpc.aio.ServerInterceptor):
+    """Server side: the handler of each call runs with the caller's `x-request-id` (or a
+    new id) as the current request id (hixl.logs), so its log lines, the error it returns
+    and the calls it makes on the caller's behalf all carry it.
+
+    A HixlError that escapes a handler is returned like `abort_with` does; any other
+    exception is logged once at ERROR with its traceback and returned as an internal
+    error, so every failed call leaves exactly one log line.
+    """
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails],
+                                         Awaitable[grpc.RpcMethodHandler | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = _text(handler_call_details.method)
+        request_id = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == logs.REQUEST_ID_KEY:
+                request_id = logs.valid_request_id(_text(value))
+                break
+        return _with_request_id(handler, method, request_id or logs.new_request_id())
+
+
+def _with_request_id(handler: grpc.RpcMethodHandler, method: str,
+                     request_id: str) -> grpc.RpcMethodHandler:
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def serve_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            rid, rpc = logs.set_request_id(request_id), _RPC_METHOD.set(method)
+            try:
+                rpc_log.debug("%s from %s", method, context.peer())
+                result = unary(request, context)
+                return await result if inspect.isawaitable(result) else result
+            except Exception as exc:  # noqa: BLE001 - every failure leaves one way
+                await _abort_unexpected(context, exc)
+            finally:
+                _RPC_METHOD.reset(rpc)
+                logs.reset_request_id(rid)
+
+        return handler._replace(unary_unary=serve_unary)  # type: ignore[attr-defined]
+    if handler.unary_stream is not None:
+        stream = handler.unary_stream
+
+        async def serve_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            # a stream runs in its own task: nothing to restore when it ends
+            logs.set_request_id(request_id)
+            _RPC_METHOD.set(method)
+            rpc_log.debug("%s from %s", method, context.peer())
+            try:
+                items = stream(request, context)
+                if inspect.isawaitable(items):  # a handler that writes with context.write
+                    await items
+                elif hasattr(items, "__aiter__"):
+                    async for item in items:
+                        yield item
+                else:
+                    for item in items:
+                        yield item
+            except Exception as exc:  # noqa: BLE001 - every failure leaves one way
+                await _abort_unexpected(context, exc)
+
+        return handler._replace(unary_stream=serve_stream)  # type: ignore[attr-defined]
+    return handler  # client-streaming methods: hixl has none
+
+
+async def _abort_unexpected(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AbortError):  # abort_with already logged and answered
+        raise exc
+    if isinstance(exc, HixlError):
+        await abort_with(context, exc)
+    rpc_log.error("%s failed: internal error: %r", _RPC_METHOD.get(), exc, exc_info=exc,
+                  extra={"code": errors.STATUS_NAMES[errors.FAILED], "status": errors.FAILED,
+                         "hint": errors.hint_for(HixlError)})
+    metadata = [(STATUS_KEY, str(errors.FAILED)), (ERROR_KEY, HixlError.__name__)]
+    request_id = logs.current_request_id()
+    if request_id:
+        metadata.append((logs.REQUEST_ID_KEY, request_id))
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}",
+                        trailing_metadata=tuple(metadata))
+
+
+def server_interceptors(token: bytes | None) -> list[grpc.aio.ServerInterceptor]:
+    """What every hixl gRPC server installs: request ids first (so a refusal is logged
+    under one too), then, with a cluster token, its check."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestIdInterceptor()]
+    if token is not None:
+        interceptors.append(TokenInterceptor(token))
+    return interceptors
+
+
 class _CallDetails(
         collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
                                                 "wait_for_ready", "compression")),
@@ -209,36 +432,39 @@ class _CallDetails(
     pass
 
 
-class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor,
-                              grpc.UnaryStreamClientInterceptor):
-    """Client side: adds a fresh `hixl-auth` proof (new nonce, current time) to each call."""
+class _ClientInterceptor(grpc.UnaryUnaryClientInterceptor,
+                         grpc.UnaryStreamClientInterceptor):
+    """Client side: adds `x-request-id` (the current request's, else a fresh one) and,
+    with a token, a fresh `hixl-auth` proof (new nonce, current time) to each call."""
 
-    def __init__(self, token: bytes) -> None:
+    def __init__(self, token: bytes | None) -> None:
         self._token = token
 
-    def _with_proof(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        proof = auth.make_grpc_proof(self._token, _text(details.method))
-        metadata = [*(details.metadata or ()), (auth.METADATA_KEY, proof)]
+    def _with_metadata(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        request_id = logs.current_request_id() or logs.new_request_id()
+        metadata = [*(details.metadata or ()), (logs.REQUEST_ID_KEY, request_id)]
+        if self._token is not None:
+            metadata.append((auth.METADATA_KEY,
+                             auth.make_grpc_proof(self._token, _text(details.method))))
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             details.wait_for_ready, details.compression)
 
     def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
                               request: Any) -> Any:
-        return continuation(self._with_proof(client_call_details), request)
+        return continuation(self._with_metadata(client_call_details), request)
 
     def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
                                request: Any) -> Any:
-        return continuation(self._with_proof(client_call_details), request)
+        return continuation(self._with_metadata(client_call_details), request)
 
 
 def authenticated_channel(channel: grpc.Channel, token: bytes | None) -> grpc.Channel:
-    """`channel`, proving `token` on every call; unchanged when there is no token.
+    """`channel`, sending a request id on every call and, with a `token`, proving it.
 
-    Close the original channel, not this wrapper's result, to release it.
+    Every channel the SDK makes goes through here. Close the original channel, not this
+    wrapper's result, to release it.
     """
-    if token is None:
-        return channel
-    return grpc.intercept_channel(channel, _TokenClientInterceptor(token))
+    return grpc.intercept_channel(channel, _ClientInterceptor(token))
 
 
 # ---------------------------------------------------------------- identity

@@ -124,6 +124,57 @@ _BY_STATUS: dict[int, type[HixlError]] = {
 }
 
 
+#: What to do about each error, by class (the most specific class wins). The one table of
+#: fix hints: agents and hixl-master log it with every failed request, and
+#: docs/errors.md quotes every entry (tests/test_docs.py checks).
+HINTS: dict[type[HixlError], str] = {
+    HixlError: "an internal failure: find the request id in the agent or master log "
+               "and report the lines around it",
+    ParamInvalid: "fix the argument the message names (address, length, size, option or "
+                  "request field) and retry; nothing was changed",
+    OutOfRange: "keep [addr, addr+length) inside one segment: check the peer's segments "
+                "(Engine.segments) and register local buffers first (Engine.register)",
+    PermissionDenied: "the segment's perms forbid this access: allocate or register it "
+                      "with perms rw, or only read from a read-only segment",
+    ConfigError: "correct the key, environment variable or flag the message names "
+                 "(hixl-agent --describe-config lists every key)",
+    TransferTimeout: "the deadline passed: check the peer agent is alive and reachable, "
+                     "then retry or raise the timeout",
+    NotConnected: "call connect(remote) first (again after disconnect); the engine must "
+                  "not be closed",
+    AlreadyConnected: "already connected to that engine: reuse the connection, or "
+                      "disconnect() first",
+    Unsupported: "hixl moves host memory only: use MEM_HOST buffers",
+    ResourceExhausted: "release segments no longer needed (Engine.release) or raise the "
+                       "agent's pool_max_bytes (docs/operations.md, sizing)",
+    TransferFailed: "the ops in .failed did not complete: retry them; the agent log "
+                    "says why under the request id",
+    PeerUnavailable: "the remote agent is down or unreachable: check that it runs "
+                     "(hixl-agent), its host:port and the firewall, then retry",
+    StaleEpoch: "the remote agent restarted: disconnect() and connect() again, then "
+                "allocate or look up its segments anew",
+    AuthenticationFailed: "give agents, hixl-master and clients the same cluster token "
+                          "(cluster_token_file, HIXL_CLUSTER_TOKEN) and keep clocks within "
+                          "120 s",
+}
+
+
+def hint_for(error: HixlError | type[HixlError]) -> str:
+    """The fix hint of `error`'s class, or of its nearest base class that has one."""
+    cls = error if isinstance(error, type) else type(error)
+    for base in cls.__mro__:
+        hint = HINTS.get(base)  # type: ignore[call-overload]
+        if hint is not None:
+            return hint
+    return ""
+
+
+def is_internal(error: HixlError) -> bool:
+    """True for failures of hixl itself (logged at ERROR), False for ones the caller can
+    fix or that the situation explains (bad input, a dead peer: logged at WARNING)."""
+    return type(error) in (HixlError, TransferFailed)
+
+
 def error_for_status(status: int, message: str) -> HixlError:
     """Build the exception class that matches a HIXL status code (e.g. from the wire)."""
     cls = _BY_STATUS.get(status, HixlError)

@@ -6,6 +6,9 @@ instead of a hang; the watch stream pings the server so a vanished master ends i
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +16,13 @@ from typing import Any
 import grpc
 
 from hixl.auth import as_token
-from hixl.control import authenticated_channel, error_from_rpc, segment_from_pb, segment_to_pb
+from hixl.control import (
+    add_segments,
+    authenticated_channel,
+    error_from_rpc,
+    segment_from_pb,
+    segments_from_columns,
+)
 from hixl.errors import ParamInvalid
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
@@ -31,6 +40,36 @@ CLIENT_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
 ]
 
 _KIND_NAMES = {value: name for name, value in agent_pb2.SegmentEvent.Kind.items()}
+
+_collector_lock = threading.Lock()
+_collector_pauses = 0          # bulk decodes in progress, all threads together
+_collector_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Hold Python's cyclic garbage collector off during a bulk decode (CPU work only).
+
+    Why: decoding a 100k-segment snapshot allocates 100k+ objects, which triggers several
+    full collections, each walking every object in the process: measured in a process
+    holding 230k objects, a new GlobalTable synced in 520 ms with the collector running
+    and 210 ms without. The pause is process-wide, so callers never wait on the network
+    inside it; pauses nest across threads, and a collector someone else turned off stays
+    off. Cyclic garbage made meanwhile is collected once the pause ends.
+    """
+    global _collector_pauses, _collector_was_enabled
+    with _collector_lock:
+        if _collector_pauses == 0:
+            _collector_was_enabled = gc.isenabled()
+            gc.disable()
+        _collector_pauses += 1
+    try:
+        yield
+    finally:
+        with _collector_lock:
+            _collector_pauses -= 1
+            if _collector_pauses == 0 and _collector_was_enabled:
+                gc.enable()
 
 
 @dataclass(frozen=True)
@@ -122,7 +161,10 @@ class RegistryWatch:
                 if self._closed:
                     raise StopIteration from None
                 raise error_from_rpc(exc, self._what) from None
-            segments.extend(segment_from_pb(s) for s in pb.segments)
+            with collector_paused():
+                segments.extend(segment_from_pb(s) for s in pb.segments)
+                for block in pb.columns:
+                    segments.extend(segments_from_columns(block))
             engines.extend(engine_info_from_pb(e) for e in pb.engines)
             if not pb.more:
                 return WatchEvent(_KIND_NAMES.get(pb.kind, str(pb.kind)), pb.epoch,
@@ -163,9 +205,9 @@ class RegistryClient:
                 ttl_ms: int, timeout: float | None = None, *,
                 endpoints: EngineEndpoints | None = None) -> int:
         """Publish `engine`'s whole table (and where it serves) under a lease; returns the lease id."""
-        request = agent_pb2.PublishRequest(
-            engine=engine, node_id=node_id, epoch=epoch, ttl_ms=ttl_ms,
-            segments=[segment_to_pb(s) for s in segments])
+        request = agent_pb2.PublishRequest(engine=engine, node_id=node_id, epoch=epoch,
+                                           ttl_ms=ttl_ms)
+        add_segments(request.segments, segments)
         if endpoints is not None:
             request.endpoints.CopyFrom(endpoints_to_pb(endpoints))
         try:
@@ -221,15 +263,18 @@ class RegistryClient:
                 yield event.kind, event.epoch, event.segments
 
     def open_watch(self, *, engines: bool = True, timeout: float | None = None,
-                   ) -> RegistryWatch:
+                   columns: bool = True) -> RegistryWatch:
         """A watch stream of WatchEvents: SNAPSHOT first, then changes as they happen.
 
         `engines` asks for membership too (engines in the SNAPSHOT, ENGINE_UP/ENGINE_DOWN
-        events). No deadline unless `timeout` is given; keepalive pings end the stream
-        when the registry vanishes. `close()` on the result cancels it from any thread.
+        events). `columns` asks for segments in compact form (SegmentColumns: a third of
+        the bytes, decoded in bulk; a registry that predates it sends Segments, which are
+        read just the same). No deadline unless `timeout` is given; keepalive pings end
+        the stream when the registry vanishes. `close()` on the result cancels it from
+        any thread.
         """
-        call = self._stub.Watch(agent_pb2.WatchRegistryRequest(engines=engines),
-                                timeout=timeout)
+        call = self._stub.Watch(
+            agent_pb2.WatchRegistryRequest(engines=engines, columns=columns), timeout=timeout)
         return RegistryWatch(call, f"watch of registry {self.target}")
 
     def close(self) -> None:

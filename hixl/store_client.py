@@ -199,6 +199,51 @@ class MountedSegment:
     used: int
 
 
+class KeyState(enum.IntEnum):
+    """A listed key's state; same numbering as `KeyInfo.State` in store.proto."""
+
+    COMPLETE = 0      # committed and readable
+    NOT_READY = 1     # committed; every replica awaits its segment's remount
+    PUTTING = 2       # put started, not yet ended (invisible to reads)
+
+
+@dataclass(frozen=True)
+class KeyReplica:
+    """One replica of a listed key and the segment it lives in (`live` False: awaiting remount)."""
+
+    replica: Replica
+    segment_name: str = ""
+    live: bool = True
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """One object as `list_keys` shows it: size, state, replicas, lease and pins left."""
+
+    key: str
+    size: int
+    state: KeyState
+    replicas: tuple[KeyReplica, ...] = ()
+    lease_ms: int = 0
+    hard_pin: bool = False
+    soft_pin_ms: int = 0
+
+
+@dataclass(frozen=True)
+class KeyListing:
+    """Outcome of list_keys: the first keys (sorted) of `total` that match.
+
+    code INVALID_PARAMS (with `message`) for a bad regex; `truncated` when the limit
+    left some matching keys out.
+    """
+
+    code: int
+    keys: tuple[KeyInfo, ...] = ()
+    total: int = 0
+    truncated: bool = False
+    message: str = ""
+
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -283,6 +328,24 @@ def replica_config_from_pb(pb: store_pb2.ReplicaConfig) -> ReplicaConfig:
         soft_pin_action=action, soft_pin_ttl_ms=pb.soft_pin_ttl_ms,
         preferred_segments=tuple(pb.preferred_segments),
         prefer_alloc_in_same_node=pb.prefer_alloc_in_same_node)
+
+
+def key_info_to_pb(info: KeyInfo) -> store_pb2.KeyInfo:
+    return store_pb2.KeyInfo(
+        key=info.key, size=info.size, state=int(info.state), lease_ms=info.lease_ms,
+        hard_pin=info.hard_pin, soft_pin_ms=info.soft_pin_ms,
+        replicas=[store_pb2.KeyReplica(replica=replica_to_pb(r.replica),
+                                       segment_name=r.segment_name, live=r.live)
+                  for r in info.replicas])
+
+
+def key_info_from_pb(pb: store_pb2.KeyInfo) -> KeyInfo:
+    return KeyInfo(
+        key=pb.key, size=pb.size,
+        state=KeyState(pb.state) if pb.state in (0, 1, 2) else KeyState.NOT_READY,
+        replicas=tuple(KeyReplica(replica_from_pb(r.replica), r.segment_name, r.live)
+                       for r in pb.replicas),
+        lease_ms=pb.lease_ms, hard_pin=pb.hard_pin, soft_pin_ms=pb.soft_pin_ms)
 
 
 # ---------------------------------------------------------------------------- client
@@ -463,6 +526,21 @@ class MasterClient:
                            "remove all", timeout)
         return CountResult(reply.code, reply.count, reply.message)
 
+    # -- listing (operators) -----------------------------------------------------------
+
+    def list_keys(self, regex: str = "", limit: int = 0,
+                  timeout: float | None = None) -> KeyListing:
+        """Objects whose key `regex` matches (`re.search`; "" = all), sorted, at most
+        `limit` (0: the master's cap); a bad regex is code INVALID_PARAMS, not raised.
+        Takes no lease and counts as no access."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < 1 << 32:
+            raise ParamInvalid(f"list_keys: limit must be an integer >= 0, got {limit!r}")
+        reply = self._call(self._stub.ListKeys,
+                           store_pb2.ListKeysRequest(regex=regex, limit=limit),
+                           f"list of keys matching {regex!r}", timeout)
+        return KeyListing(reply.code, tuple(key_info_from_pb(k) for k in reply.keys),
+                          reply.total, reply.truncated, reply.message)
+
     # -- lifetime --------------------------------------------------------------------
 
     def close(self) -> None:
@@ -476,10 +554,12 @@ class MasterClient:
 
 
 __all__ = [
-    "ClientStatus", "CountResult", "GetReplicasResult", "HeartbeatResult", "MasterClient",
+    "ClientStatus", "CountResult", "GetReplicasResult", "HeartbeatResult", "KeyInfo",
+    "KeyListing", "KeyReplica", "KeyState", "MasterClient",
     "MasterAuthenticationFailed", "MasterRpcError", "MasterUnavailable", "MountedSegment",
     "PutStartResult", "Replica", "ReplicaConfig", "ReplicaState", "SegmentResult",
-    "SoftPinAction", "StoreSegment", "master_error", "replica_config_from_pb",
+    "SoftPinAction", "StoreSegment", "key_info_from_pb", "key_info_to_pb", "master_error",
+    "replica_config_from_pb",
     "replica_config_to_pb", "replica_from_pb", "replica_to_pb", "store_segment_from_pb",
     "store_segment_to_pb",
 ]

@@ -75,6 +75,47 @@ class ErrorCode(enum.IntEnum):
 RPC_FAIL = ErrorCode.RPC_FAIL
 
 
+#: The codes hixl's store returns, each with what to do about it: the store client logs
+#: the hint with each failure, and docs/errors.md quotes every entry (tests/test_docs.py).
+#: Codes not listed here are Mooncake's, kept for compatibility, never returned by hixl.
+HINTS: dict[ErrorCode, str] = {
+    ErrorCode.INTERNAL_ERROR: "call setup() before other calls; otherwise the log line "
+                              "names the failure (e.g. no free port in the range)",
+    ErrorCode.BUFFER_OVERFLOW: "pass a buffer at least get_size(key) bytes long",
+    ErrorCode.SEGMENT_NOT_FOUND: "the segment is not mounted (unmounted already, or its "
+                                 "client expired): mount it again",
+    ErrorCode.SEGMENT_ALREADY_EXISTS: "that engine, segment id and epoch is mounted with "
+                                      "other memory: unmount it first",
+    ErrorCode.NO_AVAILABLE_HANDLE: "the pool is full even after eviction: add clients with "
+                                   "global_segment_size > 0, make it larger, or remove keys",
+    ErrorCode.INVALID_VERSION: "a newer epoch of this segment is mounted (its agent "
+                               "restarted): set the client up again",
+    ErrorCode.INVALID_KEY: "use a non-empty str key of at most 4096 bytes",
+    ErrorCode.INVALID_PARAMS: "check the arguments: buffers inside one register_buffer "
+                              "range, replica_num >= 1, positive sizes",
+    ErrorCode.REPLICA_IS_NOT_READY: "the key's segments await a remount after a master "
+                                    "restart: retry within --remount-grace-s",
+    ErrorCode.OBJECT_NOT_FOUND: "the key is not stored (never put, removed or evicted): "
+                                "put it first",
+    ErrorCode.OBJECT_ALREADY_EXISTS: "the key is stored already: put with upsert to "
+                                     "replace it, or remove it first",
+    ErrorCode.OBJECT_HAS_LEASE: "a reader holds a lease on the key: retry after "
+                                "--default_kv_lease_ttl, or remove(key, force=True)",
+    ErrorCode.TRANSFER_FAIL: "bytes could not reach a replica's holder: check that "
+                             "client's agent runs; other replicas were tried already",
+    ErrorCode.RPC_FAIL: "hixl-master is unreachable or too slow: check it runs at the "
+                        "address given to setup() and that the cluster tokens match",
+}
+
+
+def hint_for_code(code: int) -> str:
+    """What to do about store code `code` ("" for OK and codes hixl never returns)."""
+    try:
+        return HINTS.get(ErrorCode(code), "")
+    except ValueError:
+        return ""
+
+
 def code_name(code: int) -> str:
     """The ErrorCode name of `code`, or the number itself when it is not one."""
     try:
@@ -83,4 +124,4 @@ def code_name(code: int) -> str:
         return str(code)
 
 
-__all__ = ["RPC_FAIL", "ErrorCode", "code_name"]
+__all__ = ["HINTS", "RPC_FAIL", "ErrorCode", "code_name", "hint_for_code"]

@@ -8,7 +8,9 @@ over and over); overlapping inserts are refused, never merged.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+import contextlib
+import operator
+from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
 from hixl.errors import OutOfRange, ParamInvalid
@@ -32,6 +34,15 @@ def check_range(addr: object, length: object, what: str = "range") -> None:
         raise ParamInvalid(f"{what}: {addr:#x} + {length} overflows the 64-bit address space")
 
 
+def _base_of(entry: tuple[int, int, object]) -> int:
+    return entry[0]
+
+
+def _plain_ints(values: list[int]) -> bool:
+    """Every value is exactly an int (no bool, no float): the common case, checked in C."""
+    return set(map(type, values)) <= {int}
+
+
 class AddressTable(Generic[T]):
     """Sorted, non-overlapping address ranges mapping to values."""
 
@@ -42,6 +53,34 @@ class AddressTable(Generic[T]):
         self._ends: list[int] = []
         self._values: list[T] = []
         self._last: tuple[int, int, T] | None = None
+
+    @classmethod
+    def bulk(cls, entries: Iterable[tuple[int, int, T]]) -> AddressTable[T]:
+        """A table holding every (base, length, value) of `entries`, built in one pass.
+
+        Why: filling a table with n ranges one `insert` at a time costs n bisects, n range
+        checks and list inserts; a whole table (a registry snapshot) is sorted once
+        (linear when it arrives sorted) and checked with a few passes over plain lists.
+        The rules are `insert`'s: a bad range or an overlap raises the same ParamInvalid
+        (then found by replaying the inserts, so the message names the same ranges), and
+        nothing is half-built: the caller gets a whole table or an error.
+        """
+        ordered = list(entries)
+        with contextlib.suppress(TypeError):  # a base that is no number: insert names it
+            ordered.sort(key=_base_of)
+        bases = [base for base, _, _ in ordered]
+        lengths = [length for _, length, _ in ordered]
+        table: AddressTable[T] = cls()
+        if (ordered and _plain_ints(bases) and _plain_ints(lengths) and bases[0] >= 0
+                and min(lengths) > 0):
+            ends = list(map(operator.add, bases, lengths))
+            if max(ends) <= MAX_ADDRESS and not any(map(operator.gt, ends, bases[1:])):
+                table._bases, table._ends = bases, ends
+                table._values = [value for _, _, value in ordered]
+                return table
+        for base, length, value in ordered:  # empty, int subclasses, or an error to name
+            table.insert(base, length, value)
+        return table
 
     def __len__(self) -> int:
         return len(self._bases)

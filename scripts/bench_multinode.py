@@ -11,9 +11,17 @@ when `mooncake.engine` imports, a Mooncake TransferEngine target; on host A it r
 compares transfers between the same two hosts in the same run. It prints the bench's
 report and the veth byte counters of both hosts: proof the bytes crossed the link.
 
-Flags other than --json/--keep-logs go to `hixl bench` unchanged (e.g. --sizes 4K,1M
---ops write --seconds 0.2). Across hosts only the socket path applies (the fabric path
+Flags other than --json/--keep-logs/--store go to `hixl bench` unchanged (e.g. --sizes
+4K,1M --ops write --seconds 0.2). Across hosts only the socket path applies (the fabric path
 maps memory of the same node). Needs root; exits with status 2 when hosts cannot be made.
+
+    sudo .venv/bin/python scripts/bench_multinode.py --store [hixl bench store flags...]
+
+`--store` measures the KV store instead (`hixl bench store`): host B runs hixl-master and
+a segment holder (a store client contributing the pool's memory) and, when `mooncake.store`
+imports, a `mooncake_master` and a Mooncake holder; host A runs `hixl bench store --master
+B --mooncake-master B --no-holder`, whose clients hold no memory, so every value crosses
+the link over TCP, for both systems.
 """
 
 from __future__ import annotations
@@ -33,9 +41,12 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness is a dev tool, ke
 
 import netns  # noqa: E402  (tests/netns.py)
 
-from hixl.client import bench, cli  # noqa: E402
+from hixl.client import bench, cli, store_bench  # noqa: E402
 
 RAW_PORT = 50170
+STORE_MASTER_PORT = 50171  # host B's hixl-master
+MOONCAKE_MASTER_PORT, MOONCAKE_METRICS_PORT = 50172, 50173  # host B's mooncake_master
+MASTER_READY = "hixl-master serving "
 RUN_TIMEOUT_S = 3600.0
 
 
@@ -78,12 +89,28 @@ def _mooncake_wanted(config: bench.BenchConfig) -> str | None:
 
 
 def _moved(report: dict[str, Any]) -> dict[str, int]:
-    """Bytes the engine cells moved, by op (timed calls only: a lower bound)."""
+    """Bytes hixl's cells moved A->B (write, put) and B->A (read, get); timed calls only,
+    so a lower bound of what crossed the link."""
     moved = {"write": 0, "read": 0}
     for cell in report["cells"]:
-        if cell["kind"] == "engine":
+        if report.get("kind") == "store":
+            if cell["system"] == "hixl":
+                way = "write" if cell["op"] in store_bench.PUT_OPS else "read"
+                moved[way] += cell["calls"] * cell["size"] * cell["batch"]
+        elif cell["kind"] == "engine":
             moved[cell["op"]] += cell["calls"] * cell["block"] * cell["batch"]
     return moved
+
+
+def _counted(hosts: tuple[Any, ...]) -> dict[Any, tuple[int, int]]:
+    return {h: (h.tx_bytes(), h.rx_bytes()) for h in hosts}
+
+
+def _links(a: Any, b: Any, before: dict[Any, tuple[int, int]],
+           after: dict[Any, tuple[int, int]]) -> dict[str, dict[str, Any]]:
+    return {role: {"host": h.name, "ip": h.ip, "tx_bytes": after[h][0] - before[h][0],
+                   "rx_bytes": after[h][1] - before[h][1]}
+            for role, h in (("a", a), ("b", b))}
 
 
 def run(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
@@ -115,11 +142,11 @@ def run(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
                              stderr=subprocess.STDOUT, text=True)
             segment = mc.parse_ready(_ready_line(target, mc.READY, f"Mooncake target on {b}"))[0]
             extra += ["--mooncake-peer", segment]
-        before = {h: (h.tx_bytes(), h.rx_bytes()) for h in (a, b)}
+        before = _counted((a, b))
         result = a.run([sys.executable, "-m", "hixl.client.cli", "bench", *bench_args, *extra,
                         "--json", "-", "--no-progress"], timeout=RUN_TIMEOUT_S,
                        env={"MC_LOG_LEVEL": "ERROR"})
-        after = {h: (h.tx_bytes(), h.rx_bytes()) for h in (a, b)}
+        after = _counted((a, b))
         missed_targets = result.returncode == cli.EXIT_FAILED and args.check_targets
         if result.returncode != 0 and not (missed_targets and result.stdout.strip()):
             sys.stderr.write(result.stderr[-8000:])
@@ -128,9 +155,75 @@ def run(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
         report = json.loads(result.stdout)
         if why_not is not None and why_not != "off":
             report["mooncake"]["reason"] = why_not
-        links = {role: {"host": h.name, "ip": h.ip, "tx_bytes": after[h][0] - before[h][0],
-                        "rx_bytes": after[h][1] - before[h][1]}
-                 for role, h in (("a", a), ("b", b))}
+        links = _links(a, b, before, after)
+    return {"bench": report, "links": links, "moved": _moved(report)}
+
+
+def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
+    """`hixl bench store` across the link: masters and segment holders on B, the bench on A."""
+    args = cli.build_parser().parse_args(["bench-store", *bench_args])
+    if args.master or args.mooncake_master or args.local or not args.holders:
+        raise SystemExit("bench_multinode --store: --master/--mooncake-master/--local/"
+                         "--no-holder are set by this script")
+    config = cli.store_bench_config(args)
+    segment = config.segment_bytes()
+    if keep_logs:
+        os.environ["HIXL_NETNS_KEEP_LOGS"] = "1"
+    quiet = {"MC_LOG_LEVEL": "ERROR"}
+    with netns.Cluster(2) as cluster:
+        a, b = cluster.hosts
+        master = b.spawn([sys.executable, "-m", "hixl.server.master", "--host", b.ip,
+                          "--port", str(STORE_MASTER_PORT), "--no-persist", "--log-level",
+                          "WARNING", f"-default_kv_lease_ttl={store_bench.LEASE_TTL_MS}"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        _ready_line(master, MASTER_READY, f"hixl-master on {b}")
+        master_at = f"{b.ip}:{STORE_MASTER_PORT}"
+        holder = b.spawn(store_bench.holder_command("hixl", master_at, b.ip, segment),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        _ready_line(holder, store_bench.HOLDER_READY, f"hixl segment holder on {b}")
+        extra = ["--master", master_at, "--local", a.ip, "--no-holder"]
+        why_not = None if config.mooncake else "off"
+        why_not = why_not or store_bench.mooncake_store_unavailable()
+        binary = store_bench.mooncake_master_binary()
+        if why_not is None and binary is None:
+            why_not = "no mooncake_master executable"
+        if why_not is None:
+            assert binary is not None
+            b.spawn(store_bench.mooncake_master_command(binary, b.ip, MOONCAKE_MASTER_PORT,
+                                                        MOONCAKE_METRICS_PORT),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL)
+            probe = (f"import sys; from hixl.client.store_bench import wait_port; "
+                     f"sys.exit(0 if wait_port({b.ip!r}, {MOONCAKE_MASTER_PORT}, "
+                     f"{netns.START_TIMEOUT_S}) else 1)")
+            if b.run([sys.executable, "-c", probe], timeout=netns.START_TIMEOUT_S + 30
+                     ).returncode != 0:
+                raise netns.HarnessError(f"mooncake_master on {b} did not start")
+            mooncake_at = f"{b.ip}:{MOONCAKE_MASTER_PORT}"
+            mc_holder = b.spawn(store_bench.holder_command("mooncake", mooncake_at, b.ip,
+                                                           segment),
+                                env=quiet, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+            _ready_line(mc_holder, store_bench.HOLDER_READY, f"Mooncake segment holder on {b}")
+            extra += ["--mooncake-master", mooncake_at]
+        elif why_not == "off":
+            extra.append("--no-mooncake")
+        before = _counted((a, b))
+        result = a.run([sys.executable, "-m", "hixl.client.cli", "bench", "store", *bench_args,
+                        *extra, "--json", "-", "--no-progress"], timeout=RUN_TIMEOUT_S,
+                       env=quiet)
+        after = _counted((a, b))
+        missed_targets = result.returncode == cli.EXIT_FAILED and args.check_targets
+        if result.returncode != 0 and not (missed_targets and result.stdout.strip()):
+            sys.stderr.write(result.stderr[-8000:])
+            raise SystemExit(f"bench_multinode: hixl bench store on {a} failed "
+                             f"(status {result.returncode})")
+        report = json.loads(result.stdout)
+        if why_not is not None and why_not != "off":
+            report["mooncake"]["reason"] = why_not
+        links = _links(a, b, before, after)
     return {"bench": report, "links": links, "moved": _moved(report)}
 
 
@@ -141,12 +234,12 @@ def format_links(result: dict[str, Any]) -> str:
         link = links[role]
         lines.append(f"  host {role.upper()} {link['host']} ({link['ip']}): "
                      f"tx {link['tx_bytes'] / 1e9:.3f} GB, rx {link['rx_bytes'] / 1e9:.3f} GB")
-    lines.append(f"  engine cells moved (timed calls): write {moved['write'] / 1e9:.3f} GB "
-                 f"A->B, read {moved['read'] / 1e9:.3f} GB B->A")
+    lines.append(f"  hixl cells moved (timed calls): write/put {moved['write'] / 1e9:.3f} GB "
+                 f"A->B, read/get {moved['read'] / 1e9:.3f} GB B->A")
     crossed = (links["a"]["tx_bytes"] >= moved["write"] and links["b"]["rx_bytes"] >= moved["write"]
                and links["b"]["tx_bytes"] >= moved["read"] and links["a"]["rx_bytes"] >= moved["read"])
     lines.append("  the bytes crossed the link" if crossed
-                 else "  WARNING: the link carried fewer bytes than the engine cells moved")
+                 else "  WARNING: the link carried fewer bytes than the hixl cells moved")
     return "\n".join(lines)
 
 
@@ -159,14 +252,18 @@ def main(argv: list[str] | None = None) -> int:
                              "then go to stderr)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the agents' logs under the harness's run directory")
+    parser.add_argument("--store", action="store_true",
+                        help="run `hixl bench store` (the KV store against Mooncake Store) "
+                             "instead of `hixl bench`; other flags go to it")
     ours, bench_args = parser.parse_known_args(argv)
     reason = netns.unavailable_reason()
     if reason is not None:
         print(f"bench_multinode: simulated hosts unavailable: {reason}", file=sys.stderr)
         return 2
-    result = run(bench_args, ours.keep_logs)
+    result = (run_store if ours.store else run)(bench_args, ours.keep_logs)
     report = result["bench"]
-    text = bench.format_report(result["bench"]) + "\n" + format_links(result)
+    table = store_bench.format_store_report(report) if ours.store else bench.format_report(report)
+    text = table + "\n" + format_links(result)
     print(text, file=sys.stderr if ours.json == "-" else sys.stdout, flush=True)
     if ours.json:
         blob = json.dumps(result, indent=2)

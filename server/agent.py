@@ -122,6 +122,19 @@ class Agent:
             out["deferred_unmaps"] = len(self._deferred)
         return out
 
+    def segment_totals(self) -> dict[str, tuple[int, int]]:
+        """kind -> (segments, bytes) served now; kinds: "pool" (created at start from the
+        config), "allocated" (by clients at run time), "fd" (deposited), "memory" (an
+        embedded agent serving its process's memory in place)."""
+        totals: dict[str, tuple[int, int]] = {}
+        with self._lock:
+            for entry in self._entries.values():
+                kind = "pool" if entry.owner == "pool" and entry.kind == "allocated" \
+                    else entry.kind
+                count, size = totals.get(kind, (0, 0))
+                totals[kind] = (count + 1, size + entry.info.length)
+        return totals
+
     # ------------------------------------------------------------ subscriptions
 
     def subscribe(self, listener: Listener) -> list[SegmentInfo]:

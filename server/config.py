@@ -6,15 +6,20 @@ Precedence (later wins): defaults < YAML file (`--config`) < environment variabl
 Anything unusable — an unknown key, a wrong type, a bad size — raises ConfigError naming
 the key and where it came from, so a typo never silently falls back to a default.
 `AgentConfig.describe()` enumerates every key (type, default, meaning) for docs and tests.
+
+The layering itself (`layer_values`, `convert_key`, `describe_keys`) works on any schema;
+hixl-master's `MasterConfig` uses it with a schema derived from its flags
+(`keys_from_parser`).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -27,6 +32,7 @@ from hixl.types import Perm
 
 ENV_PREFIX = "HIXL_AGENT_"
 DEFAULT_GRPC_PORT = 50161
+METRICS_PORT = 9161  # the conventional port of an agent's Prometheus endpoint
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # dd(1)-style units: K/KiB = 1024, KB = 1000 (and so on up to T).
@@ -117,6 +123,14 @@ def _as_port(value: object, text: bool) -> int:
     port = _as_int(value, text)
     if not 0 <= port <= 65535:
         raise ValueError(f"must be a TCP port in [0, 65535] (0 = any free port), got {port}")
+    return port
+
+
+def _as_metrics_port(value: object, text: bool) -> int:
+    port = _as_int(value, text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"must be a TCP port in [1, 65535], or 0 for no metrics endpoint, "
+                         f"got {port}")
     return port
 
 
@@ -261,6 +275,7 @@ class AgentConfig:
     log_level: str = "INFO"
     log_json: bool = False
     cluster_token_file: str = ""
+    metrics_port: int = 0
 
     # key -> converter, documentation, type; kept beside the fields and checked to match.
     KEYS = {
@@ -313,24 +328,19 @@ class AgentConfig:
                                    "(default): the token of $HIXL_CLUSTER_TOKEN or the file "
                                    "$HIXL_CLUSTER_TOKEN_FILE names, else none (no "
                                    "authentication).", "path"),
+        "metrics_port": _key(_as_metrics_port,
+                             "Port of the Prometheus endpoint (http://host:PORT/metrics, "
+                             "on this agent's host): traffic, connections, segments, "
+                             f"registry lease. 0 (default): none; {METRICS_PORT} is the "
+                             "conventional port. Off by default so that several agents "
+                             "on one host (tests, benchmarks) never collide; a port in "
+                             "use fails the start.", "port"),
     }
 
     @classmethod
     def describe(cls) -> dict[str, dict[str, str]]:
         """Every key with its type, default and meaning (for docs, --help and tests)."""
-        defaults = cls()
-        out: dict[str, dict[str, str]] = {}
-        for name, spec in cls.KEYS.items():
-            value = getattr(defaults, name)
-            if name == "socket_mode":
-                shown = oct(value)
-            elif name == "pool":
-                shown = "[]"
-            else:
-                shown = repr(value)
-            out[name] = {"type": spec["type"], "default": shown, "doc": spec["doc"],
-                         "env": ENV_PREFIX + name.upper()}
-        return out
+        return describe_keys(cls.KEYS, vars(cls()), ENV_PREFIX, _show_agent_default)
 
     @classmethod
     def load(cls, path: str | None = None, overrides: Mapping[str, Any] | None = None,
@@ -339,22 +349,7 @@ class AgentConfig:
 
         `env` defaults to os.environ; pass {} to ignore the environment.
         """
-        values: dict[str, Any] = {}
-        if path:
-            for key, raw in _read_yaml(path).items():
-                values[key] = _convert(key, raw, False, f"config file {path}")
-        environ = os.environ if env is None else env
-        for var, raw in sorted(environ.items()):
-            if not var.startswith(ENV_PREFIX):
-                continue
-            key = var[len(ENV_PREFIX):].lower()
-            values[key] = _convert(key, raw, True, f"environment variable {var}")
-        for key, raw in (overrides or {}).items():
-            if raw is None:
-                continue  # a flag that was not given
-            # flags arrive as text ("--grpc-port 0"); programmatic overrides may be typed
-            values[key] = _convert(key, raw, isinstance(raw, str), f"command-line option {key}")
-        config = cls(**values)
+        config = cls(**layer_values(cls.KEYS, ENV_PREFIX, path, overrides, env))
         config._check(path)
         return config
 
@@ -362,6 +357,9 @@ class AgentConfig:
         where = f"config file {path}" if path else "configuration"
         if self.grpc_port and self.grpc_port == self.data_port:
             raise ConfigError(f"{where}: key 'data_port': {self.data_port} is also grpc_port")
+        if self.metrics_port and self.metrics_port in (self.grpc_port, self.data_port):
+            raise ConfigError(f"{where}: key 'metrics_port': {self.metrics_port} is also "
+                              f"{'grpc_port' if self.metrics_port == self.grpc_port else 'data_port'}")
         if not self.host:
             raise ConfigError(f"{where}: key 'host' must not be empty")
         if not self.runtime_dir or not os.path.isabs(self.runtime_dir):
@@ -392,15 +390,120 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return {str(k): v for k, v in data.items()}
 
 
-def _convert(key: str, raw: object, text: bool, source: str) -> Any:
-    spec = AgentConfig.KEYS.get(key)
+def _show_agent_default(name: str, value: Any) -> str:
+    if name == "socket_mode":
+        return oct(value)
+    if name == "pool":
+        return "[]"
+    return repr(value)
+
+
+# ---------------------------------------------------------------- layering, for any schema
+# A schema maps each key to _key(converter, doc, type). AgentConfig writes its own
+# (KEYS); hixl-master derives its schema from its flags (keys_from_parser).
+
+Schema = Mapping[str, Mapping[str, Any]]
+
+
+def convert_key(keys: Schema, key: str, raw: object, text: bool, source: str) -> Any:
+    """`raw` converted by `key`'s converter; ConfigError naming the key and `source`."""
+    spec = keys.get(key)
     if spec is None:
-        raise ConfigError(
-            f"{source}: unknown key {key!r}; known keys: {', '.join(AgentConfig.KEYS)}")
+        raise ConfigError(f"{source}: unknown key {key!r}; known keys: {', '.join(keys)}")
     try:
         return spec["converter"](raw, text)
     except ValueError as exc:
         raise ConfigError(f"{source}: key {key!r} {exc}") from None
+
+
+def layer_values(keys: Schema, env_prefix: str, path: str | None = None,
+                 overrides: Mapping[str, Any] | None = None,
+                 env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The typed values set by the YAML file at `path`, then `<env_prefix><KEY>` variables in
+    `env` (default os.environ), then `overrides` (flags; None = not given): later wins, and
+    keys no source sets are absent (the caller's defaults apply)."""
+    values: dict[str, Any] = {}
+    if path:
+        for key, raw in _read_yaml(path).items():
+            values[key] = convert_key(keys, key, raw, False, f"config file {path}")
+    environ = os.environ if env is None else env
+    for var, raw in sorted(environ.items()):
+        if not var.startswith(env_prefix):
+            continue
+        key = var[len(env_prefix):].lower()
+        values[key] = convert_key(keys, key, raw, True, f"environment variable {var}")
+    for key, raw in (overrides or {}).items():
+        if raw is None:
+            continue  # a flag that was not given
+        # flags arrive as text ("--grpc-port 0"); programmatic overrides may be typed
+        values[key] = convert_key(keys, key, raw, isinstance(raw, str),
+                                  f"command-line option {key}")
+    return values
+
+
+def describe_keys(keys: Schema, defaults: Mapping[str, Any], env_prefix: str,
+                  show: Callable[[str, Any], str] | None = None) -> dict[str, dict[str, str]]:
+    """key -> {type, default (shown by `show`, default repr), doc, env}: the describe() contract."""
+    return {name: {"type": spec["type"],
+                   "default": show(name, defaults[name]) if show else repr(defaults[name]),
+                   "doc": spec["doc"], "env": env_prefix + name.upper()}
+            for name, spec in keys.items()}
+
+
+_PLAIN_PARSERS: dict[str, Callable[[str], Any]] = {"int": int, "float": float}
+
+
+def _flag_converter(parse: Callable[[str], Any] | None, type_name: str) -> Converter:
+    """A converter that checks a YAML value against the field's annotation (`type_name`,
+    e.g. "int" or "int | None"), then validates it with the flag's own argparse type, so a
+    key refuses exactly what its flag refuses."""
+    allowed = {part.strip() for part in type_name.split("|")}
+    if allowed == {"bool"}:
+        return _as_bool
+    known = allowed & {"int", "float", "str", "None"}
+    parse = parse or next((_PLAIN_PARSERS[t] for t in _PLAIN_PARSERS if t in allowed), str)
+
+    def convert(value: object, text: bool) -> Any:
+        if value is None and "None" in allowed:
+            return None
+        if not text and known:
+            fits = not isinstance(value, bool) and (
+                (isinstance(value, int) and bool(allowed & {"int", "float"}))
+                or (isinstance(value, float) and "float" in allowed)
+                or (isinstance(value, str) and "str" in allowed))
+            if not fits:
+                raise ValueError(f"must be {' or '.join(sorted(known))}, "
+                                 f"got {type(value).__name__} {value!r}")
+        try:
+            return parse(value if isinstance(value, str) else str(value))
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            raise ValueError(str(exc) or f"is not valid: {value!r}") from None
+
+    return convert
+
+
+def keys_from_parser(parser: argparse.ArgumentParser, field_types: Mapping[str, str],
+                     skip: Collection[str] = ("help",)) -> dict[str, dict[str, Any]]:
+    """A schema from a command's flags: each option's dest is a key, its help text the doc,
+    its argparse type the validator, and `field_types[dest]` (the config dataclass's
+    annotation) the YAML type. Derived, not written twice: a flag added later is a config
+    key and an environment variable at once. A dest with no field is an AssertionError."""
+    keys: dict[str, dict[str, Any]] = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest in skip or action.dest in keys:
+            continue
+        if action.dest not in field_types:
+            raise AssertionError(f"flag {'/'.join(action.option_strings)} (dest "
+                                 f"{action.dest!r}) has no config field")
+        doc = action.help or ""
+        if "%" in doc:
+            doc = doc % {**vars(action), "prog": parser.prog}
+        if action.nargs == 0 and isinstance(action.const, bool):  # --no-persist and the like
+            doc += (f" (the flag {action.option_strings[0]} sets {action.dest}: "
+                    f"{str(action.const).lower()})")
+        type_name = field_types[action.dest]
+        keys[action.dest] = _key(_flag_converter(action.type, type_name), doc, type_name)
+    return keys
 
 
 def _check_keys_match_fields() -> None:

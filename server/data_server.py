@@ -29,9 +29,11 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from hixl import wire
 from hixl.errors import ConfigError
+from hixl.metrics import Traffic, TrafficTable
 from hixl.transports.tcp import Buffer, BufferQueue, tune_socket
 
 log = logging.getLogger("hixl.data")
@@ -52,6 +54,9 @@ _GREEDY_MAX = 16 << 10
 _RUN_OPS = 1024  # a run reply answers at most this many requests
 _STOP_WAIT = 5.0  # stop(): longest wait for all threads to end
 _WRITE, _READ = int(wire.Op.WRITE), int(wire.Op.READ)
+TRANSPORTS = ("tcp", "unix")
+_REASONS = frozenset(int(reason) for reason in wire.Reason)
+_monotonic = time.monotonic
 
 
 class _PeerGone(Exception):
@@ -60,6 +65,15 @@ class _PeerGone(Exception):
 
 class _Stalled(Exception):
     """A frame stopped half-way for longer than io_timeout."""
+
+
+class Peer(NamedTuple):
+    """Something connected to the agent now, for the operator's view (Health, `hixl status`)."""
+
+    kind: str          # "tcp" / "unix" data connection, "fd" socket, "watch" stream
+    address: str       # remote "host:port", "pid N uid M", or the gRPC peer
+    identity: str      # the engine name given in HELLO ("" when not said)
+    connected_s: float
 
 
 class DataServer:
@@ -86,6 +100,7 @@ class DataServer:
         self._acceptors: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._live: dict[socket.socket, threading.Thread] = {}
+        self._connections: dict[socket.socket, _Connection] = {}  # for peers()
         self._stopping = False
         self._tcp_address = ""
         #: bytes_written / ops_write: WRITE payloads received into segments; bytes_read /
@@ -96,6 +111,10 @@ class DataServer:
         self.counters: dict[str, int] = dict.fromkeys(
             ("bytes_written", "bytes_read", "ops_write", "ops_read", "refused", "connections",
              "connections_rejected", "protocol_errors", "auth_failures"), 0)
+        #: the same traffic per transport and direction, for metrics: ops and bytes (published
+        #: with `counters`), the time per batch of replies, refusals by wire reason
+        self.traffic = TrafficTable(TRANSPORTS)
+        self.accepted = dict.fromkeys(TRANSPORTS, 0)  # connections accepted per transport
 
     # ------------------------------------------------------------ lifecycle
 
@@ -112,6 +131,14 @@ class DataServer:
     def live_connections(self) -> int:
         with self._lock:
             return len(self._live)
+
+    def peers(self) -> list[Peer]:
+        """Each live data connection: kind, remote address, the engine it named in HELLO."""
+        now = time.monotonic()
+        with self._lock:
+            connections = list(self._connections.values())
+        return [Peer("unix" if c.sock.family == socket.AF_UNIX else "tcp", _address(c.peer),
+                     c.proto.peer_identity, now - c.since) for c in connections]
 
     def start(self) -> None:
         """Bind and listen on every configured address; acceptor threads start serving."""
@@ -225,6 +252,7 @@ class DataServer:
                     self.counters["connections_rejected"] += 1
                 elif not self._stopping:
                     self.counters["connections"] += 1
+                    self.accepted["unix" if listener.family == socket.AF_UNIX else "tcp"] += 1
                     thread = threading.Thread(target=self._serve, args=(sock, peer or "unix"),
                                               daemon=True, name="hixl-data-conn")
                     self._live[sock] = thread
@@ -245,7 +273,10 @@ class DataServer:
             timeval = struct.pack("ll", seconds, int((self._io_timeout - seconds) * 1e6))
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-            _Connection(self, sock, peer).run()
+            connection = _Connection(self, sock, peer)
+            with self._lock:
+                self._connections[sock] = connection
+            connection.run()
         except (_PeerGone, ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
             log.debug("data connection from %s closed by the peer", peer)
         except _Stalled as exc:
@@ -257,7 +288,16 @@ class DataServer:
         finally:
             with self._lock:
                 self._live.pop(sock, None)
+                self._connections.pop(sock, None)
             sock.close()
+
+
+def _address(peer: object) -> str:
+    """accept()'s peer as text: "host:port" for TCP, "unix" for a unix socket."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host, port = peer[0], peer[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(peer) or "unix"
 
 
 class _Connection:
@@ -275,6 +315,7 @@ class _Connection:
         self.server = server
         self.sock = sock
         self.peer = peer
+        self.since = time.monotonic()
         self.proto = wire.ServerProtocol(server._resolve, server._epoch, server._cluster_token)
         self.ring = bytearray(_RING)
         self.view = memoryview(self.ring)
@@ -293,6 +334,9 @@ class _Connection:
         # counted here and published at each flush: no shared lock per frame
         self.counts = dict.fromkeys(("bytes_written", "bytes_read", "ops_write", "ops_read",
                                      "refused"), 0)
+        self.traffic = server.traffic.pair(
+            "unix" if sock.family == socket.AF_UNIX else "tcp")  # (read, write)
+        self.started = _monotonic()  # when the batch the next flush answers began
 
     def run(self) -> None:
         try:
@@ -303,7 +347,6 @@ class _Connection:
     def _loop(self) -> None:
         proto = self.proto
         replies = self.replies
-        counts = self.counts
         windows = self.run_windows
         on_header_at, ring, view = proto.on_header_at, self.ring, self.view
         while True:
@@ -351,11 +394,11 @@ class _Connection:
             if kind is wire.Send:  # PING, or a refused READ
                 replies.append(action.reply)
                 if len(action.reply) > wire.HEADER_SIZE:  # only error replies carry text
-                    counts["refused"] += 1
+                    self._refused(self.traffic[0], action.reply)
             elif kind is wire.Discard:
                 self._discard(action.count)
                 replies.append(action.reply)
-                counts["refused"] += 1
+                self._refused(self.traffic[1], action.reply)
             elif kind is wire.ReadHello:  # HELLO or AUTH payload
                 payload = bytearray(action.count)
                 self._receive(memoryview(payload))
@@ -410,13 +453,35 @@ class _Connection:
             self._flush()
             self._drain_before_close()
 
-    def _publish(self) -> None:
+    def _refused(self, traffic: Traffic, reply: bytes) -> None:
+        """Count a refused request (rare path) by the reason its error reply carries."""
+        self.counts["refused"] += 1
+        reason = int.from_bytes(reply[6:8], "big")
+        name = wire.Reason(reason).name if reason in _REASONS else str(reason)
+        with self.server._lock:
+            traffic.errors[name] = traffic.errors.get(name, 0) + 1
+
+    def _publish(self) -> int:
+        """Add this connection's counts to the server's; returns which directions had ops
+        (1: writes, 2: reads), so the caller can time the batch."""
         server = self.server
+        counts = self.counts
+        read, write = self.traffic
+        directions = 0
         with server._lock:
-            for name, value in self.counts.items():
+            for name, value in counts.items():
                 server.counters[name] += value
-        for name in self.counts:
-            self.counts[name] = 0
+            if counts["ops_write"]:
+                write.ops += counts["ops_write"]
+                write.bytes += counts["bytes_written"]
+                directions = 1
+            if counts["ops_read"]:
+                read.ops += counts["ops_read"]
+                read.bytes += counts["bytes_read"]
+                directions |= 2
+        for name in counts:
+            counts[name] = 0
+        return directions
 
     def _read_header(self) -> bool:
         """Have the next 48-byte header in the ring; False on EOF between frames.
@@ -466,6 +531,7 @@ class _Connection:
                 if have:
                     raise _PeerGone()
                 return False
+            self.started = _monotonic()  # after an idle wait: a new batch begins
             self.end = have = have + n
             want -= n
         return True
@@ -562,8 +628,13 @@ class _Connection:
             count -= chunk
 
     def _flush(self) -> None:
-        """Send every gathered reply (headers and READ data, zero-copy) in few calls."""
-        self._publish()  # before the replies: a client that has them sees the counts
+        """Send every gathered reply (headers and READ data, zero-copy) in few calls.
+
+        Then the batch's time (from its first request bytes, or the previous flush, to
+        the replies sent) goes to the latency of the directions it served: one
+        observation per flush, not per op.
+        """
+        directions = self._publish()  # before the replies: a client that has them sees the counts
         out = BufferQueue(self.replies)
         unsent = out.left
         while unsent:
@@ -575,3 +646,12 @@ class _Connection:
             unsent -= sent
         self.replies.clear()
         self.reply_bytes = 0
+        now = _monotonic()
+        if directions:
+            seconds = now - self.started
+            read, write = self.traffic
+            if directions & 1:
+                write.latency.observe(seconds)
+            if directions & 2:
+                read.latency.observe(seconds)
+        self.started = now

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from hixl.errors import HixlError, ParamInvalid, PermissionDenied, ResourceExhausted
 from hixl.server.agent import Agent
+from hixl.server.data_server import Peer
 
 log = logging.getLogger("hixl.fd_server")
 
@@ -132,6 +133,7 @@ class _Conn:
     uid: int
     pid: int
     refusal: str = ""  # non-empty: answer the first request with this, then close
+    since: float = 0.0  # time.monotonic() at accept
 
 
 class FdServer:
@@ -153,6 +155,19 @@ class FdServer:
         self._stopping = False
         self.counters = {"fd_connections": 0, "fd_requests": 0, "fd_errors": 0,
                          "fd_refused_peers": 0, "fd_deposits": 0}
+
+    def peers(self) -> list[Peer]:
+        """Each process connected to the fd socket now (pid and uid, from SO_PEERCRED)."""
+        now = time.monotonic()
+        for _ in range(3):  # the selector thread may change the dict while we copy it
+            try:
+                conns = list(self._conns.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            conns = []
+        return [Peer("fd", f"pid {c.pid} uid {c.uid}", "", now - c.since) for c in conns]
 
     def start(self) -> None:
         prepare_socket_path(self.path)
@@ -227,7 +242,7 @@ class FdServer:
         sock.setblocking(False)
         pid, uid, _gid = _PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        conn = _Conn(sock, uid, pid)
+        conn = _Conn(sock, uid, pid, since=time.monotonic())
         if self._allowed and uid not in self._allowed:
             self.counters["fd_refused_peers"] += 1
             conn.refusal = (

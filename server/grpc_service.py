@@ -15,12 +15,14 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
 from hixl.control import abort_with, segment_to_pb
 from hixl.errors import HixlError, ParamInvalid
 from hixl.server.agent import ADDED, Agent
+from hixl.server.data_server import Peer
 from hixl.server.fd_server import TicketBook
 from hixl.types import Perm, SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
@@ -29,6 +31,8 @@ log = logging.getLogger("hixl.grpc")
 
 PROTOCOL_VERSION = 1
 _WATCH_QUEUE_LIMIT = 4096
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -41,18 +45,39 @@ class Endpoints:
     fd_socket: str
 
 
+@dataclass(frozen=True)
+class RegistryState:
+    """Where the agent publishes its table and how that goes (Health's `registry`)."""
+
+    mode: str = "none"            # "embedded", "master" or "none"
+    target: str = ""              # the master's address
+    published: bool = False       # held under a lease now
+    lease_id: int = 0
+    failures: int = 0             # consecutive failed attempts
+    last_error: str = ""
+    last_success_age_s: float = -1.0  # -1: never
+    engines: int = 0              # embedded registry: engines held
+    segments: int = 0             # embedded registry: segments held
+
+
 class AgentServicer(agent_pb2_grpc.AgentServicer):
-    """Agent RPCs over one `Agent`; `extra_counters` adds e.g. the data server's counters."""
+    """Agent RPCs over one `Agent`; `extra_counters` adds e.g. the data server's counters,
+    `peers` and `registry_state` what Health reports of connections and publishing."""
 
     def __init__(self, agent: Agent, endpoints: Endpoints, tickets: TicketBook,
-                 extra_counters: Callable[[], dict[str, int]] = dict) -> None:
+                 extra_counters: Callable[[], dict[str, int]] = dict,
+                 peers: Callable[[], list[Peer]] = list,
+                 registry_state: Callable[[], RegistryState] = RegistryState) -> None:
         self._agent = agent
         self._endpoints = endpoints
         self._tickets = tickets
         self._extra_counters = extra_counters
+        self._peers = peers
+        self._registry_state = registry_state
         self._started = time.monotonic()
         self._stopping = asyncio.Event()
         self.watchers = 0
+        self._watch_peers: dict[int, tuple[str, float]] = {}  # stream -> (peer, since)
 
     def stop_watches(self) -> None:
         """End every WatchSegments stream (called on the serving loop at shutdown)."""
@@ -98,6 +123,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
 
         snapshot = self._agent.subscribe(listener)
         self.watchers += 1
+        watch_id = id(asyncio.current_task())
+        self._watch_peers[watch_id] = (context.peer(), time.monotonic())
         epoch = self._agent.epoch
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
@@ -123,6 +150,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         finally:
             stopping.cancel()
             self.watchers -= 1
+            self._watch_peers.pop(watch_id, None)
             self._agent.unsubscribe(listener)
 
     async def AllocateSegment(self, request: agent_pb2.AllocateSegmentRequest,
@@ -165,9 +193,33 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
 
     async def Health(self, request: agent_pb2.HealthRequest,
                      context: grpc.aio.ServicerContext) -> agent_pb2.HealthReply:
+        counters = self._agent.counters()
+        now = time.monotonic()
+        peers = [*self._collect(self._peers, []),
+                 *(Peer("watch", peer, "", now - since)
+                   for peer, since in list(self._watch_peers.values()))]
+        registry = self._collect(self._registry_state, RegistryState())
         return agent_pb2.HealthReply(
             status="SERVING", engine=self._endpoints.engine, node_id=self._agent.node_id,
-            epoch=self._agent.epoch, uptime_s=time.monotonic() - self._started)
+            epoch=self._agent.epoch, uptime_s=now - self._started,
+            segments=counters["segments"], segment_bytes=counters["segment_bytes"],
+            peers=[agent_pb2.Peer(kind=p.kind, address=p.address, identity=p.identity,
+                                  connected_s=p.connected_s) for p in peers],
+            registry=agent_pb2.RegistryState(
+                mode=registry.mode, target=registry.target, published=registry.published,
+                lease_id=registry.lease_id, failures=registry.failures,
+                last_error=registry.last_error,
+                last_success_age_s=registry.last_success_age_s,
+                engines=registry.engines, segments=registry.segments))
+
+    @staticmethod
+    def _collect(source: Callable[[], _T], fallback: _T) -> _T:
+        """Health must answer even when one of its sources fails."""
+        try:
+            return source()
+        except Exception:  # noqa: BLE001 - logged; the rest of Health still answers
+            log.exception("collecting health details failed")
+            return fallback
 
     async def Stats(self, request: agent_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> agent_pb2.StatsReply:

@@ -12,33 +12,10 @@ import argparse
 import json
 import logging
 import sys
-import time
-from typing import Any
 
 from hixl.auth import load_token
 from hixl.errors import ConfigError, HixlError
-
-
-class _JsonFormatter(logging.Formatter):
-    """One JSON object per line, for log shippers."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
-            "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(level: int, as_json: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if as_json else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+from hixl.logs import setup_logging
 
 
 def build_agent_parser() -> argparse.ArgumentParser:
@@ -52,7 +29,8 @@ def build_agent_parser() -> argparse.ArgumentParser:
                     "--config FILE, then HIXL_AGENT_<KEY> environment variables, then flags.")
     parser.add_argument("--config", metavar="FILE", help="YAML config file")
     for key in ("host", "grpc_port", "data_port", "runtime_dir", "node_id", "master",
-                "pool_max_bytes", "lease_ttl_ms", "log_level", "cluster_token_file"):
+                "pool_max_bytes", "lease_ttl_ms", "log_level", "cluster_token_file",
+                "metrics_port"):
         parser.add_argument("--" + key.replace("_", "-"), dest=key, metavar=key.upper(),
                             help=keys[key]["doc"])
     parser.add_argument("--pool-size", metavar="SIZE",

@@ -7,25 +7,37 @@ It accepts mooncake_master's flag spellings (`-rpc_port=50051` as well as
 `--client_ttl`, `--allocation_strategy`, ...) configure the store. Unlike
 mooncake_master, committed store metadata survives a restart: it is kept in a data dir
 (`--data-dir`; `--no-persist` keeps it in memory only).
+
+Every flag is also a key of a YAML file (`--config master.yaml`, keys named like the
+flags' dests: `port`, `client_ttl_s`, `data_dir`, ...) and an environment variable
+`HIXL_MASTER_<KEY>`; precedence, as for the agent: defaults < YAML < environment < flags
+(server/config.py's layering). The key schema is derived from the flags
+(`MasterConfig.keys()`), so the two cannot drift; `--describe-config` prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import uvloop
 
 from hixl.auth import ENV_TOKEN, ENV_TOKEN_FILE, load_token
-from hixl.control import TokenInterceptor
+from hixl.control import server_interceptors
 from hixl.errors import ConfigError
+from hixl.logs import setup_logging
+from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
+from hixl.server.config import describe_keys, keys_from_parser, layer_values
 from hixl.server.registry import (
     DEFAULT_MAX_TTL_MS,
     SERVER_KEEPALIVE_OPTIONS,
@@ -40,6 +52,9 @@ log = logging.getLogger("hixl.master")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051          # mooncake_master's default rpc_port
+ENV_PREFIX = "HIXL_MASTER_"
+#: parser dests that are not settings
+COMMAND_ONLY_DESTS = ("help", "config", "describe_config")
 STOP_GRACE_S = 1.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -93,12 +108,57 @@ def default_data_dir(port: int, environ: dict[str, str] | None = None) -> str | 
 
 @dataclass(frozen=True)
 class MasterConfig:
+    """hixl-master's settings. The store's settings are grouped in `store`; as config keys
+    all are flat, named like the flags' dests (`port`, `client_ttl_s`, `data_dir`)."""
+
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     max_lease_ttl_ms: int = DEFAULT_MAX_TTL_MS
     log_level: str = "INFO"
+    log_json: bool = False
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster_token_file: str = ""
+    metrics_port: int = 0
+
+    @classmethod
+    def keys(cls) -> dict[str, dict[str, Any]]:
+        """The config schema, derived from hixl-master's flags: every flag's dest is a key."""
+        return keys_from_parser(build_parser(), _field_types(), COMMAND_ONLY_DESTS)
+
+    @classmethod
+    def describe(cls) -> dict[str, dict[str, str]]:
+        """Every key with its type, default, meaning and environment variable."""
+        return describe_keys(cls.keys(), cls().values(), ENV_PREFIX)
+
+    @classmethod
+    def load(cls, path: str | None = None, overrides: Mapping[str, Any] | None = None,
+             env: Mapping[str, str] | None = None) -> MasterConfig:
+        """Defaults, then the YAML file at `path`, then HIXL_MASTER_* in `env` (default
+        os.environ; {} ignores it), then `overrides` (flags by dest; None = not given).
+        ConfigError names the key and source of an unknown key or unusable value."""
+        return cls.from_values(layer_values(cls.keys(), ENV_PREFIX, path, overrides, env))
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> MasterConfig:
+        """A config from flat key -> typed value (missing keys keep their defaults)."""
+        store_names = {f.name for f in dataclasses.fields(StoreConfig)}
+        store = {k: v for k, v in values.items() if k in store_names}
+        rest = {k: v for k, v in values.items() if k not in store_names}
+        return cls(**rest, store=StoreConfig(**store))
+
+    def values(self) -> dict[str, Any]:
+        """The flat key -> value view of this config (the inverse of `from_values`)."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "store"}
+        flat.update(dataclasses.asdict(self.store))
+        return flat
+
+
+def _field_types() -> dict[str, str]:
+    """Each flat key's annotation ("int", "float", "str", "bool", ...), for YAML type checks."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(MasterConfig) if f.name != "store"}
+    types.update({f.name: str(f.type) for f in dataclasses.fields(StoreConfig)})
+    return types
 
 
 def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -147,7 +207,14 @@ def _mooncake(name: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hixl-master", allow_abbrev=False,
-        description="Serve the hixl address-table registry (and accept mooncake_master flags).")
+        description="Serve the hixl address-table registry (and accept mooncake_master flags). "
+                    "Settings come from --config FILE, then HIXL_MASTER_<KEY> environment "
+                    "variables, then flags; every flag's dest is a config key.")
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML file of settings keyed like the flags' dests "
+                             "(--describe-config lists them)")
+    parser.add_argument("--describe-config", action="store_true",
+                        help="print every config key (type, default, meaning) as JSON and exit")
     parser.add_argument("--host", *_mooncake("rpc_address"), dest="host", default=DEFAULT_HOST,
                         help="address to bind (default %(default)s: bind only what is asked)")
     parser.add_argument("--port", *_mooncake("rpc_port"), dest="port", type=_int_in(0, 65535),
@@ -158,11 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest lease a publisher may ask for (default %(default)s)")
     parser.add_argument("--log-level", dest="log_level", type=_log_level, default="INFO",
                         metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--log-json", dest="log_json", action="store_true",
+                        help="log one JSON object per line (with request_id, and code, "
+                             "status and hint on failures) instead of text")
     parser.add_argument("--cluster-token-file", dest="cluster_token_file", default="",
                         metavar="FILE",
                         help="file holding the cluster token: every call must prove it. "
                              f"Default: ${ENV_TOKEN} (the token) or ${ENV_TOKEN_FILE} (a "
                              "file); with neither, calls are not authenticated")
+    parser.add_argument("--metrics-port", dest="metrics_port", type=_int_in(0, 65535),
+                        default=0, metavar="PORT",
+                        help="serve Prometheus metrics (registry, store: objects, space, "
+                             "evictions, results by code) on http://HOST:PORT/metrics; 0 "
+                             "(default): none")
     store = parser.add_argument_group("KV store (mooncake_master flags)")
     defaults = StoreConfig()
     store.add_argument(*_mooncake("default_kv_lease_ttl"), dest="default_kv_lease_ttl_ms",
@@ -170,9 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kv read lease in ms (> 0)")
     store.add_argument(*_mooncake("eviction_high_watermark_ratio"),
                        dest="eviction_high_watermark_ratio", type=_ratio, metavar="RATIO",
-                       default=defaults.eviction_high_watermark_ratio)
+                       default=defaults.eviction_high_watermark_ratio,
+                       help="evict once this fraction of the pool is used, in [0, 1] "
+                            "(default %(default)s)")
     store.add_argument(*_mooncake("eviction_ratio"), dest="eviction_ratio", type=_ratio, metavar="RATIO",
-                       default=defaults.eviction_ratio)
+                       default=defaults.eviction_ratio,
+                       help="fraction of the pool one eviction frees, in [0, 1] "
+                            "(default %(default)s)")
     store.add_argument(*_mooncake("client_ttl"), dest="client_ttl_s", type=_int_in(1),
                        default=defaults.client_ttl_s, metavar="S", help="client liveness ttl in s (> 0)")
     store.add_argument(*_mooncake("allocation_strategy"), dest="allocation_strategy",
@@ -203,22 +282,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: list[str]) -> MasterConfig:
-    """Parse flags; bad ones exit(2) with argparse's message naming the flag."""
+def given_flags(argv: list[str]) -> dict[str, Any]:
+    """dest -> value of the flags `argv` sets, leaving out those it does not: only given
+    flags may override the file and the environment."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+    for dest in COMMAND_ONLY_DESTS:
+        given.pop(dest, None)
+    return given
+
+
+def parse_config(argv: list[str], env: Mapping[str, str] | None = None) -> MasterConfig:
+    """Defaults < `--config` YAML < HIXL_MASTER_* in `env` (default os.environ) < flags.
+
+    Bad flags exit(2) with argparse's message naming the flag; a bad key or value in the
+    file or the environment raises ConfigError naming the key and its source.
+    """
     args = build_parser().parse_args(argv)
-    return MasterConfig(
-        host=args.host, port=args.port, max_lease_ttl_ms=args.max_lease_ttl_ms,
-        log_level=args.log_level, cluster_token_file=args.cluster_token_file,
-        store=StoreConfig(
-            default_kv_lease_ttl_ms=args.default_kv_lease_ttl_ms,
-            eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
-            eviction_ratio=args.eviction_ratio, client_ttl_s=args.client_ttl_s,
-            allocation_strategy=args.allocation_strategy,
-            default_kv_soft_pin_ttl_ms=args.default_kv_soft_pin_ttl_ms,
-            put_start_discard_timeout_s=args.put_start_discard_timeout_s,
-            put_start_release_timeout_s=args.put_start_release_timeout_s,
-            remount_grace_s=args.remount_grace_s, data_dir=args.data_dir,
-            persist=args.persist))
+    return MasterConfig.load(args.config, given_flags(argv), env)
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -256,7 +339,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         options=[*SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0),
                  # batch store calls of many keys outgrow gRPC's default 4 MiB
                  ("grpc.max_receive_message_length", 64 << 20)],
-        interceptors=[TokenInterceptor(cluster_token)] if cluster_token is not None else None)
+        interceptors=server_interceptors(cluster_token))
     add_registry_service(server, registry, expire_every_s=None)
     address = _bind_address(config.host, config.port)
     try:
@@ -270,7 +353,16 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     except ConfigError as exc:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 1
-    add_store_service(server, store)
+    servicer = add_store_service(server, store)
+    metrics = None
+    if config.metrics_port:
+        try:
+            metrics = MetricsServer(metrics_registry(registry, store, servicer.results),
+                                    config.host, config.metrics_port, "--metrics-port")
+        except ConfigError as exc:
+            print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
+            await asyncio.to_thread(store.close)
+            return 1
     expiry = start_expiry(registry)
     upkeep = asyncio.get_running_loop().create_task(upkeep_forever(store),
                                                     name="hixl-store-upkeep")
@@ -285,8 +377,21 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         expiry.cancel()
         upkeep.cancel()
         await server.stop(STOP_GRACE_S)
+        if metrics is not None:
+            await asyncio.to_thread(metrics.close)
         await asyncio.to_thread(store.close)
     return 0
+
+
+def metrics_registry(registry: Registry, store: ObjectStore,
+                     results: dict[tuple[str, int], int] | None = None) -> CollectorRegistry:
+    """The master's own CollectorRegistry: the registry's table and the store."""
+    from hixl.server.metrics import registry_families, store_families
+
+    metrics = CollectorRegistry()
+    metrics.register(FunctionCollector(
+        lambda: [*registry_families(registry), *store_families(store, results)], "master"))
+    return metrics
 
 
 async def _main(config: MasterConfig, cluster_token: bytes | None) -> int:
@@ -299,18 +404,38 @@ async def _main(config: MasterConfig, cluster_token: bytes | None) -> int:
 
 def run_master(argv: list[str] | None = None) -> int:
     """Process entry: parse flags, serve on uvloop until SIGTERM/SIGINT, return the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        config = parse_config(sys.argv[1:] if argv is None else argv)
+        if build_parser().parse_args(argv).describe_config:
+            print(json.dumps(MasterConfig.describe(), indent=2))
+            return 0
+        config = parse_config(argv)
     except SystemExit as exc:  # argparse already printed the message naming the flag
         return exc.code if isinstance(exc.code, int) else 2
-    logging.basicConfig(level=config.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    except ConfigError as exc:  # names the key and the file or variable it came from
+        print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
+        return 2
+    setup_logging(config.log_level, config.log_json)
     try:
         token = load_token(config.cluster_token_file or None)
     except ConfigError as exc:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 2
     return uvloop.run(_main(config, token))
+
+
+def _check_flags_match_fields() -> None:
+    """Every flag is a config field with the same default, and every field has a flag."""
+    defaults = MasterConfig().values()
+    flags = {action.dest: action.default for action in build_parser()._actions
+             if action.option_strings and action.dest not in COMMAND_ONLY_DESTS}
+    if flags != defaults:
+        differ = sorted(k for k in flags.keys() | defaults.keys()
+                        if flags.get(k, "<no flag>") != defaults.get(k, "<no field>"))
+        raise AssertionError(f"hixl-master flags and MasterConfig fields differ at {differ}")
+
+
+_check_flags_match_fields()
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
-from hixl.control import abort_with, segment_from_pb, segment_to_pb
+from hixl.control import abort_with, add_segments, segment_from_pb, segments_to_columns
 from hixl.errors import (
     HixlError,
     NotConnected,
@@ -80,6 +80,28 @@ class EventKind(enum.IntEnum):
 MEMBERSHIP_KINDS = frozenset({EventKind.ENGINE_UP, EventKind.ENGINE_DOWN})
 
 
+class PublishedSegments:
+    """One lease's published table (base order), with its compact wire form made on first
+    need and then shared by every snapshot that includes it.
+
+    Why: encoding 100k segments costs the registry far more than sending them, and a table
+    only ever changes by being replaced, so each new watcher would otherwise pay it again.
+    """
+
+    __slots__ = ("segments", "_columns")
+
+    def __init__(self, segments: tuple[SegmentInfo, ...]) -> None:
+        self.segments = segments
+        self._columns: dict[int, list[agent_pb2.SegmentColumns]] = {}
+
+    def columns(self, chunk: int) -> list[agent_pb2.SegmentColumns]:
+        """The segments as SegmentColumns of at most `chunk` segments each (cached)."""
+        blocks = self._columns.get(chunk)
+        if blocks is None:
+            blocks = self._columns[chunk] = segments_to_columns(self.segments, chunk)
+        return blocks
+
+
 @dataclass(frozen=True)
 class RegistryEvent:
     """One change batch. SNAPSHOT holds the whole table (epoch 0: it spans engines) and,
@@ -94,6 +116,8 @@ class RegistryEvent:
     epoch: int
     segments: tuple[SegmentInfo, ...]
     engines: tuple[EngineInfo, ...] = ()
+    #: SNAPSHOT only: `segments` again, per lease, with each lease's cached wire form.
+    published: tuple[PublishedSegments, ...] = field(default=(), compare=False, repr=False)
 
 
 class Subscription:
@@ -214,10 +238,19 @@ class _Lease:
     segments: tuple[SegmentInfo, ...]          # in base order
     table: AddressTable[SegmentInfo]
     endpoints: EngineEndpoints = NO_ENDPOINTS
+    _published: PublishedSegments | None = None
 
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.engine, self.node_id, self.epoch, self.endpoints)
+
+    @property
+    def published(self) -> PublishedSegments:
+        """`segments` with their cached wire form (made anew once `segments` is replaced)."""
+        published = self._published
+        if published is None or published.segments is not self.segments:
+            published = self._published = PublishedSegments(self.segments)
+        return published
 
 
 class Registry:
@@ -241,6 +274,11 @@ class Registry:
         # A lower bound on every lease deadline (deadlines only move later), so lookups
         # skip the O(engines) expiry scan until something can actually have expired.
         self._earliest_deadline = float("inf")
+        #: leases granted (a new engine or a restart), publishes that replaced a live
+        #: lease's table, keepalives, unpublishes, leases expired, watchers dropped for
+        #: falling behind (for metrics; see stats())
+        self.counters = dict.fromkeys(("leases_granted", "republishes", "keepalives",
+                                       "unpublishes", "expiries", "watchers_dropped"), 0)
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -269,6 +307,7 @@ class Registry:
             deadline = now + ttl_ms / 1000
             self._earliest_deadline = min(self._earliest_deadline, deadline)
             if held is not None and held.epoch == epoch:
+                self.counters["republishes"] += 1
                 lease = held
                 old_segments = lease.segments
                 announce = (lease.node_id, lease.endpoints) != (node_id, endpoints)
@@ -281,6 +320,7 @@ class Registry:
                     del self._leases[held.lease_id]
                 lease = _Lease(next(self._lease_ids), engine, node_id, epoch, ttl_ms,
                                deadline, ordered, table, endpoints)
+                self.counters["leases_granted"] += 1
                 self._leases[lease.lease_id] = lease
                 self._by_engine[engine] = lease
             self._emit_diff_locked(old_segments, held.epoch if held else epoch, ordered, epoch,
@@ -294,6 +334,7 @@ class Registry:
             self._sweep_locked(now)
             lease = self._live_lease_locked(lease_id)
             lease.deadline = now + lease.ttl_ms / 1000
+            self.counters["keepalives"] += 1
             return lease.ttl_ms
 
     def unpublish(self, lease_id: int) -> None:
@@ -301,6 +342,7 @@ class Registry:
         with self._lock:
             self._sweep_locked(self._clock())
             self._drop_locked(self._live_lease_locked(lease_id))
+            self.counters["unpublishes"] += 1
 
     def expire(self) -> list[str]:
         """Drop every lease whose deadline has passed; returns the engines dropped."""
@@ -334,6 +376,19 @@ class Registry:
             self._sweep_locked(self._clock())
             return {name: lease.epoch for name, lease in self._by_engine.items()}
 
+    def stats(self) -> dict[str, int]:
+        """What the registry holds now (engines, segments, their bytes, watchers) and its
+        counters since start, for metrics; O(segments)."""
+        with self._lock:
+            self._sweep_locked(self._clock())
+            leases = list(self._by_engine.values())
+            out = dict(self.counters)
+            out["engines"] = len(leases)
+            out["segments"] = sum(len(lease.segments) for lease in leases)
+            out["segment_bytes"] = sum(s.length for lease in leases for s in lease.segments)
+            out["watchers"] = len(self._subscribers)
+        return out
+
     def engine_infos(self, engine: str = "") -> list[EngineInfo]:
         """Identity, epoch and endpoints of one live engine ("" = all), in name order."""
         with self._lock:
@@ -356,10 +411,12 @@ class Registry:
         subscription = Subscription(self, self._watch_queue_limit, engines)
         with self._lock:
             self._sweep_locked(self._clock())
-            infos = tuple(self._by_engine[name].info for name in sorted(self._by_engine)
-                          ) if engines else ()
-            subscription._push(RegistryEvent(EventKind.SNAPSHOT, 0,
-                                              tuple(self._all_segments_locked()), infos))
+            leases = [self._by_engine[name] for name in sorted(self._by_engine)]
+            infos = tuple(lease.info for lease in leases) if engines else ()
+            published = tuple(lease.published for lease in leases)
+            segments = tuple(s for table in published for s in table.segments)
+            subscription._push(RegistryEvent(EventKind.SNAPSHOT, 0, segments, infos,
+                                             published))
             self._subscribers.add(subscription)
         return subscription
 
@@ -403,8 +460,9 @@ class Registry:
                                    "appears twice")
             seen_ids.add(segment.segment_id)
             checked.append(segment)
-        # Inserting in base order appends at the end of the table's lists: O(1) each.
         checked.sort(key=lambda s: s.base)
+        with contextlib.suppress(ParamInvalid):  # an overlap: the loop below names it
+            return tuple(checked), AddressTable.bulk((s.base, s.length, s) for s in checked)
         table: AddressTable[SegmentInfo] = AddressTable()
         for segment in checked:
             try:
@@ -431,6 +489,7 @@ class Registry:
             log.info("lease %d of engine %r (epoch %d) expired", lease.lease_id,
                      lease.engine, lease.epoch)
             self._drop_locked(lease)
+            self.counters["expiries"] += 1
         return [lease.engine for lease in expired]
 
     def _drop_locked(self, lease: _Lease) -> None:
@@ -468,6 +527,7 @@ class Registry:
                 continue
             if not subscription._push(event):
                 self._subscribers.discard(subscription)
+                self.counters["watchers_dropped"] += 1
                 log.warning("dropped a registry watcher that fell behind")
 
 
@@ -476,25 +536,61 @@ class Registry:
 
 def event_to_pb(event: RegistryEvent) -> agent_pb2.SegmentEvent:
     """The whole event as one message (see events_to_pb for what goes on the wire)."""
-    return agent_pb2.SegmentEvent(kind=int(event.kind), epoch=event.epoch,
-                                  segments=[segment_to_pb(s) for s in event.segments],
-                                  engines=[engine_info_to_pb(e) for e in event.engines])
+    message = agent_pb2.SegmentEvent(kind=int(event.kind), epoch=event.epoch,
+                                     engines=[engine_info_to_pb(e) for e in event.engines])
+    add_segments(message.segments, event.segments)
+    return message
 
 
-def events_to_pb(event: RegistryEvent, chunk: int = SNAPSHOT_CHUNK,
+def events_to_pb(event: RegistryEvent, chunk: int = SNAPSHOT_CHUNK, *, columns: bool = False,
                  ) -> Iterator[agent_pb2.SegmentEvent]:
     """The event as wire messages: a big SNAPSHOT in pieces of `chunk` segments, `more` set
-    on all but the last (engines ride in the first), so no message nears gRPC's limit."""
+    on all but the last (engines ride in the first), so no message nears gRPC's limit.
+
+    `columns`: segments go as SegmentColumns (for watchers that asked for them).
+    """
+    if columns:
+        yield from _column_events_to_pb(event, chunk)
+        return
     if event.kind != EventKind.SNAPSHOT or len(event.segments) <= chunk:
         yield event_to_pb(event)
         return
     segments = event.segments
     for start in range(0, len(segments), chunk):
-        yield agent_pb2.SegmentEvent(
+        message = agent_pb2.SegmentEvent(
             kind=int(event.kind), epoch=event.epoch,
-            segments=[segment_to_pb(s) for s in segments[start:start + chunk]],
             engines=[engine_info_to_pb(e) for e in event.engines] if start == 0 else [],
             more=start + chunk < len(segments))
+        add_segments(message.segments, segments[start:start + chunk])
+        yield message
+
+
+def _column_events_to_pb(event: RegistryEvent, chunk: int,
+                         ) -> Iterator[agent_pb2.SegmentEvent]:
+    """events_to_pb in compact form: a SNAPSHOT reuses each lease's cached columns, packed
+    whole into messages of at most `chunk` segments."""
+    engines = [engine_info_to_pb(e) for e in event.engines]
+    if event.kind != EventKind.SNAPSHOT:
+        yield agent_pb2.SegmentEvent(kind=int(event.kind), epoch=event.epoch, engines=engines,
+                                     columns=segments_to_columns(event.segments))
+        return
+    if event.published:
+        blocks = [block for table in event.published for block in table.columns(chunk)]
+    else:  # a snapshot made by hand
+        blocks = segments_to_columns(event.segments, chunk)
+    messages: list[list[agent_pb2.SegmentColumns]] = [[]]
+    count = 0
+    for block in blocks:
+        size = len(block.segment_id)
+        if messages[-1] and count + size > chunk:
+            messages.append([])
+            count = 0
+        messages[-1].append(block)
+        count += size
+    for index, message in enumerate(messages):
+        yield agent_pb2.SegmentEvent(kind=int(event.kind), epoch=event.epoch,
+                                     engines=engines if index == 0 else [], columns=message,
+                                     more=index + 1 < len(messages))
 
 
 class RegistryServicer(agent_pb2_grpc.RegistryServicer):
@@ -539,8 +635,9 @@ class RegistryServicer(agent_pb2_grpc.RegistryServicer):
                             ) -> agent_pb2.QuerySegmentsReply:
         segments = self._registry.query(request.engine)
         engines = self._registry.engine_infos(request.engine)
-        return agent_pb2.QuerySegmentsReply(segments=[segment_to_pb(s) for s in segments],
-                                            engines=[engine_info_to_pb(e) for e in engines])
+        reply = agent_pb2.QuerySegmentsReply(engines=[engine_info_to_pb(e) for e in engines])
+        add_segments(reply.segments, segments)
+        return reply
 
     async def Watch(self, request: agent_pb2.WatchRegistryRequest,
                     context: grpc.aio.ServicerContext,
@@ -554,7 +651,7 @@ class RegistryServicer(agent_pb2_grpc.RegistryServicer):
                 except HixlError as exc:
                     await abort_with(context, exc)
                     raise
-                for message in events_to_pb(event):
+                for message in events_to_pb(event, columns=request.columns):
                     yield message
         finally:
             subscription.close()
@@ -601,7 +698,8 @@ def add_registry_service(server: grpc.aio.Server, registry: Registry, *,
 
 
 __all__ = [
-    "EventKind", "Registry", "RegistryEvent", "RegistryServicer", "Subscription",
+    "EventKind", "PublishedSegments", "Registry", "RegistryEvent", "RegistryServicer",
+    "Subscription",
     "SERVER_KEEPALIVE_OPTIONS", "add_registry_service", "event_to_pb", "events_to_pb",
     "expire_forever",
     "start_expiry",

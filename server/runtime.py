@@ -15,24 +15,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 import uvloop
 
+from hixl import logs
 from hixl.auth import load_token
-from hixl.control import TokenInterceptor
+from hixl.control import server_interceptors
 from hixl.errors import HixlError, ParamInvalid
+from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
 from hixl.registry_client import EngineEndpoints, RegistryClient
 from hixl.server.agent import Agent
 from hixl.server.config import AgentConfig
+from hixl.server.data_server import Peer
 from hixl.server.fd_server import FdServer, TicketBook, prepare_socket_path
-from hixl.server.grpc_service import AgentServicer, Endpoints
+from hixl.server.grpc_service import AgentServicer, Endpoints, RegistryState
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2_grpc
 
@@ -69,10 +74,13 @@ class Publisher:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._dirty = True
+        self._cause: str | None = None  # the request whose change the next publish sends
         self._lease: int | None = None
         self._failures = 0
         self._thread = threading.Thread(target=self._run, name="hixl-publisher", daemon=True)
         self.published = threading.Event()  # set after the first successful publish
+        self._last_error = ""
+        self._last_success: float | None = None  # time.monotonic() of the last success
         self.counters = {"registry_publishes": 0, "registry_keepalives": 0,
                          "registry_failures": 0}
 
@@ -81,6 +89,9 @@ class Publisher:
         self._thread.start()
 
     def _on_change(self, kind: str, segments: list[SegmentInfo]) -> None:
+        # runs in the thread that changed the table, i.e. within the client's request:
+        # the publish it causes goes to the master under that request's id
+        self._cause = logs.current_request_id()
         self._dirty = True
         self._wake.set()
 
@@ -90,9 +101,12 @@ class Publisher:
             try:
                 self._step()
                 self._failures = 0
+                self._last_error = ""
+                self._last_success = time.monotonic()
                 wait = interval
             except Exception as exc:  # noqa: BLE001 - log, back off, retry
                 self._failures += 1
+                self._last_error = str(exc)
                 self.counters["registry_failures"] += 1
                 level = logging.WARNING if self._failures in (1, 10) or (
                     self._failures % 100 == 0) else logging.DEBUG
@@ -113,15 +127,26 @@ class Publisher:
                          self._where, self._lease, exc)
                 self._lease = None
         self._dirty = False
+        cause, self._cause = self._cause, None
         try:
-            self._lease = self.registry.publish(
-                self._agent.engine_name, self._agent.node_id, self._agent.epoch,
-                self._agent.segments(), self._ttl_ms, endpoints=self._endpoints)
+            with logs.request_context(cause):
+                self._lease = self.registry.publish(
+                    self._agent.engine_name, self._agent.node_id, self._agent.epoch,
+                    self._agent.segments(), self._ttl_ms, endpoints=self._endpoints)
         except BaseException:
             self._dirty = True
             raise
         self.counters["registry_publishes"] += 1
         self.published.set()
+
+    def state(self, mode: str, target: str = "") -> RegistryState:
+        """How publishing goes, for Health (read without a lock: a snapshot is enough)."""
+        last = self._last_success
+        lease = self._lease
+        return RegistryState(
+            mode=mode, target=target, published=lease is not None, lease_id=lease or 0,
+            failures=self._failures, last_error=self._last_error,
+            last_success_age_s=-1.0 if last is None else time.monotonic() - last)
 
     def stop(self, unpublish: bool = True) -> None:
         self._agent.unsubscribe(self._on_change)
@@ -171,6 +196,18 @@ class AgentServer:
         self._error: BaseException | None = None
         self._sockets: list[str] = []
         self._grace = 1.0
+        #: this agent's own metrics registry (several agents in one process never collide),
+        #: served on config.metrics_port while the agent runs
+        self.metrics_registry = CollectorRegistry()
+        self.metrics_registry.register(self.metrics_collector())
+        self.metrics: MetricsServer | None = None
+
+    def metrics_collector(self) -> FunctionCollector:
+        """A Prometheus collector of this agent (traffic, connections, segments, registry
+        lease; the embedded registry's table too): reads its counters when scraped."""
+        from hixl.server.metrics import agent_families
+
+        return FunctionCollector(lambda: agent_families(self), "agent")
 
     # ------------------------------------------------------------ public shapes
 
@@ -259,8 +296,7 @@ class AgentServer:
         cfg = self.config
         os.makedirs(cfg.runtime_dir, mode=0o755, exist_ok=True)
         token = self._cluster_token
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=(
-            [TokenInterceptor(token)] if token is not None else None))
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=server_interceptors(token))
         self._grpc = server
         address = f"{cfg.host}:{cfg.grpc_port}"
         try:
@@ -270,6 +306,9 @@ class AgentServer:
         if not port:
             raise HixlError(f"cannot serve gRPC on {address} (port in use?)")
         self.engine_name = f"{cfg.host}:{port}"
+        if cfg.metrics_port:  # before the pool is pre-faulted: a taken port fails fast
+            self.metrics = MetricsServer(self.metrics_registry, cfg.host, cfg.metrics_port,
+                                         "key 'metrics_port'")
         agent = Agent(self.engine_name, cfg.node_id, pool_max_bytes=cfg.pool_max_bytes)
         self.agent = agent
 
@@ -299,7 +338,8 @@ class AgentServer:
         self.endpoints = Endpoints(self.engine_name, self._data.tcp_address,
                                    self._data.unix_path or "", fd_path)
         self._servicer = AgentServicer(agent, self.endpoints, self._tickets,
-                                       self._collect_counters)
+                                       self._collect_counters, self._peers,
+                                       self._registry_state)
         agent_pb2_grpc.add_AgentServicer_to_server(self._servicer, server)
         registry_target = self._wire_registry(server)
         await server.start()
@@ -339,8 +379,30 @@ class AgentServer:
             counters.update(self.publisher.counters)
         return counters
 
+    def _peers(self) -> list[Peer]:
+        peers: list[Peer] = []
+        if self._data is not None:
+            peers.extend(self._data.peers())
+        if self._fd is not None:
+            peers.extend(self._fd.peers())
+        return peers
+
+    def _registry_state(self) -> RegistryState:
+        master = self.config.master
+        mode = "master" if master else "embedded" if self.registry is not None else "none"
+        publisher = self.publisher
+        state = publisher.state(mode, master) if publisher is not None else RegistryState(mode)
+        if self.registry is not None:
+            infos = self.registry.engine_infos()
+            state = dataclasses.replace(state, engines=len(infos),
+                                        segments=len(self.registry.query()))
+        return state
+
     async def _astop(self, grace: float) -> None:
         log.info("agent %s shutting down", self.engine_name or "(not started)")
+        if self.metrics is not None:
+            metrics, self.metrics = self.metrics, None
+            await asyncio.to_thread(metrics.close)
         if self.publisher is not None:
             publisher, self.publisher = self.publisher, None
             await asyncio.to_thread(publisher.stop)

@@ -71,6 +71,10 @@ from hixl.store_client import (
     CountResult,
     GetReplicasResult,
     HeartbeatResult,
+    KeyInfo,
+    KeyListing,
+    KeyReplica,
+    KeyState,
     MountedSegment,
     PutStartResult,
     Replica,
@@ -92,6 +96,7 @@ MAX_REPLICAS = 64
 MAX_SOFT_PIN_TTL_MS = 24 * 3600 * 1000       # Mooncake's cap
 MAX_U64 = (1 << 64) - 1
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
+MAX_LIST_KEYS = 10_000                        # keys one list_keys reply carries at most
 
 
 class AllocationStrategy(str, enum.Enum):
@@ -834,6 +839,54 @@ class ObjectStore:
             mark = self._journal_locked({"t": "rm", "k": doomed}) if doomed else None
         return self._after_commit(CountResult(ErrorCode.OK, len(doomed)), mark)
 
+    # -- listing -------------------------------------------------------------------------
+
+    def list_keys(self, regex: str = "", limit: int = 0) -> KeyListing:
+        """Committed objects and puts in progress whose key `regex` matches (`re.search`),
+        sorted by key, at most `limit` (0, or above MAX_LIST_KEYS: MAX_LIST_KEYS).
+
+        For operators: takes no lease and counts as no access. The keys are matched
+        outside the lock, so a large store is not stalled by the regex.
+        """
+        try:
+            pattern = re.compile(regex)
+        except (re.error, TypeError) as exc:
+            return KeyListing(ErrorCode.INVALID_PARAMS, message=f"bad regex {regex!r}: {exc}")
+        cap = MAX_LIST_KEYS if limit <= 0 else min(limit, MAX_LIST_KEYS)
+        with self._lock:
+            self._sweep_locked()
+            keys = set(self._objects)
+            keys.update(self._puts_by_key)
+        matching = [key for key in keys if pattern.search(key)]
+        chosen = heapq.nsmallest(cap, matching)
+        with self._lock:
+            now = self._clock()
+            infos = [info for info in (self._key_info_locked(key, now) for key in chosen)
+                     if info is not None]  # a key removed meanwhile is left out
+        return KeyListing(ErrorCode.OK, tuple(infos), len(matching),
+                          len(matching) > len(chosen))
+
+    def _key_info_locked(self, key: str, now: float) -> KeyInfo | None:
+        def left_ms(until: float) -> int:
+            return max(0, int((until - now) * 1000))
+
+        def replicas(held: list[_Replica], state: ReplicaState) -> tuple[KeyReplica, ...]:
+            return tuple(KeyReplica(r.describe(state), r.segment.info.name, r.segment.live)
+                         for r in held)
+
+        obj = self._objects.get(key)
+        if obj is not None:
+            ready = any(r.segment.live for r in obj.replicas)
+            return KeyInfo(key, obj.size, KeyState.COMPLETE if ready else KeyState.NOT_READY,
+                           replicas(obj.replicas, ReplicaState.COMPLETE),
+                           left_ms(obj.lease_until), obj.hard_pin, left_ms(obj.soft_pin_until))
+        put = self._puts_by_key.get(key)
+        if put is not None:
+            return KeyInfo(key, put.size, KeyState.PUTTING,
+                           replicas(put.replicas, ReplicaState.INIT),
+                           hard_pin=put.config.with_hard_pin)
+        return None
+
     # -- upkeep --------------------------------------------------------------------------
 
     def tick(self) -> None:
@@ -889,6 +942,19 @@ class ObjectStore:
                     for _, _, kind, r in self._deadlines if kind == "free" and self._owns(r))),
                 **{name: float(value) for name, value in self._counters.items()},
             }
+
+    def holds(self) -> dict[str, int]:
+        """Objects under a read lease, hard-pinned and soft-pinned now (for metrics).
+
+        The lock is held only to copy the object list; the O(objects) count runs
+        outside it, so a scrape of a large store does not stall store calls.
+        """
+        with self._lock:
+            now = self._clock()
+            objects = list(self._objects.values())
+        return {"leased": sum(1 for o in objects if o.lease_until > now),
+                "hard_pinned": sum(1 for o in objects if o.hard_pin),
+                "soft_pinned": sum(1 for o in objects if o.soft_pin_until > now)}
 
     def close(self, *, snapshot: bool = True) -> None:
         """Release the data dir, after a snapshot so the next start replays little.

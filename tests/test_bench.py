@@ -37,8 +37,10 @@ def _mooncake_missing() -> str | None:
     return mooncake_baseline.unavailable_reason()
 
 
-def test_bench_json_has_every_cell_with_positive_numbers() -> None:
-    report, table = _run("--mooncake", "off")
+def test_bench_json_has_every_cell_with_positive_numbers(tmp_path) -> None:
+    plot = tmp_path / "bench.png"
+    report, table = _run("--mooncake", "off", "--plot", str(plot))
+    _check_plot(report, plot)
     assert report["verified"] is True
     cells = report["cells"]
     engine = {(c["path"], c["op"], c["mode"], c["block"], c["batch"]): c
@@ -82,6 +84,37 @@ def test_bench_json_has_every_cell_with_positive_numbers() -> None:
     assert report["mooncake"] == {"measured": False, "reason": "not asked for (--mooncake off)"}
     assert "Mooncake: not measured: not asked for" in table
     assert not any("vs_mooncake" in c for c in cells)
+
+
+def _check_plot(report: dict, plot) -> None:
+    """--plot wrote a PNG, and its lines are the report's sync cells, one per series."""
+    from hixl.client.bench_plot import series
+
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = series(report)
+    sync_engine = [c for c in report["cells"] if c["kind"] == "engine" and c["mode"] == "sync"]
+    for cell in sync_engine:
+        points = lines[(cell["path"], f"hixl {cell['op']}", cell["batch"] > 1)]
+        assert (cell["block"], cell["gbps"], cell["p50_us"]) in points
+    assert {name for path, name, _ in lines if path == "fabric"} >= {"hixl read", "hixl write",
+                                                                   "memcpy copy"}
+    assert {name for path, name, _ in lines if path == "socket"} >= {"hixl read", "hixl write"}
+    assert all(points == sorted(points) for points in lines.values())
+    assert len([p for points in lines.values() for p in points]) == sum(
+        1 for c in report["cells"] if c.get("mode", "sync") == "sync")
+
+
+def test_plot_is_refused_before_the_run(tmp_path, monkeypatch, capsys) -> None:
+    """A --plot that cannot be written fails at once, naming the fix, not after the bench."""
+    missing_dir = tmp_path / "no" / "such" / "dir" / "bench.png"
+    code = cli.main(["bench", "--plot", str(missing_dir), "--no-progress"])
+    assert code == cli.EXIT_FAILED
+    assert "not a writable directory" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if hixl[plot] were not installed
+    code = cli.main(["bench", "--plot", str(tmp_path / "bench.png"), "--no-progress"])
+    assert code == cli.EXIT_FAILED
+    assert "pip install 'hixl[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "bench.png").exists()
 
 
 def test_bench_against_a_raw_peer_started_separately() -> None:

@@ -26,11 +26,15 @@ def test_readme_examples_run(agent_process, tmp_path) -> None:
     from hixl.client.registry_bench import MasterProcess
 
     blocks = python_blocks()
-    assert len(blocks) >= 3, "the README lost its usage examples"
+    assert len(blocks) >= 4, "the README lost its usage examples"
     node = agent_process(config={"pool_max_bytes": "64MiB"})
     server_name = f"127.0.0.1:{free_port()}"
     with MasterProcess(extra=["--data-dir", str(tmp_path / "master")]) as master:
-        run_blocks(blocks, {"127.0.0.1:50161": node.engine, "127.0.0.1:50162": server_name,
+        # the quickstart's two nodes: agents publishing to the master (on this host)
+        node1, node2 = (agent_process(config={"master": master.target}) for _ in range(2))
+        run_blocks(blocks, {"10.0.0.1:50051": master.target, "10.0.0.1:50161": node1.engine,
+                            "10.0.0.2:50161": node2.engine, "10.0.0.1": "127.0.0.1",
+                            "127.0.0.1:50161": node.engine, "127.0.0.1:50162": server_name,
                             "127.0.0.1:50051": master.target})
 
 

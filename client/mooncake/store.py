@@ -53,6 +53,7 @@ from typing import Any
 from hixl.client.engine import Engine, MemHandle, parse_engine_name
 from hixl.control import node_identity
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
+from hixl.logs import log_failure
 from hixl.memory import ShmSegment, buffer_range
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM
 from hixl.server.store import MAX_REPLICAS, OffsetAllocator
@@ -67,7 +68,7 @@ from hixl.store_client import (
     SoftPinAction,
     StoreSegment,
 )
-from hixl.store_codes import ErrorCode, code_name
+from hixl.store_codes import ErrorCode, code_name, hint_for_code
 from hixl.table import AddressTable, check_range
 from hixl.types import Perm, TransferOp, TransferOpDesc
 
@@ -470,7 +471,8 @@ class MooncakeDistributedStore:
         code = int(code)
         self.last_error, self.last_error_code = f"{what}: {reason}", code
         level = logging.INFO if code == ErrorCode.OBJECT_NOT_FOUND else logging.WARNING
-        log.log(level, "%s returned %d (%s): %s", what, code, code_name(code), reason)
+        log_failure(log, level, f"{what} returned {code}: {reason}", code=code_name(code),
+                    number=code, hint=hint_for_code(code))
         return code
 
     def _guard(self, what: str, fn: Callable[[], Any], failure: Any = None) -> Any:

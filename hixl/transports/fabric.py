@@ -23,6 +23,7 @@ from hixl.types import Perm, SegmentInfo, TransferOp
 FetchFd = Callable[[int, int, bool], tuple[int, int]]  # (segment_id, epoch, writable) -> (fd, len)
 
 _memmove = ctypes.memmove
+_WRITE = TransferOp.WRITE  # a module constant: `TransferOp.WRITE` is a class lookup per call
 
 
 class FabricTransport(Transport):
@@ -68,7 +69,7 @@ class FabricTransport(Transport):
     def transfer(self, op: TransferOp, items: Sequence[Item], deadline: float) -> None:
         if self._closed:
             raise NotConnected(f"fabric path to {self._peer} is closed")
-        writing = op == TransferOp.WRITE
+        writing = op is _WRITE
         segment, delta = self._last  # the segment the previous call ended in, and its delta
         done = 0
         try:

@@ -77,8 +77,32 @@ class WatchSegmentsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SegmentColumns(_message.Message):
+    __slots__ = ("engine", "node_id", "epoch", "segment_id", "base", "length", "mem_type", "perms", "shareable", "name")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PERMS_FIELD_NUMBER: _ClassVar[int]
+    SHAREABLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    node_id: str
+    epoch: int
+    segment_id: _containers.RepeatedScalarFieldContainer[int]
+    base: _containers.RepeatedScalarFieldContainer[int]
+    length: _containers.RepeatedScalarFieldContainer[int]
+    mem_type: _containers.RepeatedScalarFieldContainer[int]
+    perms: _containers.RepeatedScalarFieldContainer[int]
+    shareable: _containers.RepeatedScalarFieldContainer[bool]
+    name: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., segment_id: _Optional[_Iterable[int]] = ..., base: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., mem_type: _Optional[_Iterable[int]] = ..., perms: _Optional[_Iterable[int]] = ..., shareable: _Optional[_Iterable[bool]] = ..., name: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SegmentEvent(_message.Message):
-    __slots__ = ("kind", "epoch", "segments", "engines", "more")
+    __slots__ = ("kind", "epoch", "segments", "engines", "more", "columns")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         SNAPSHOT: _ClassVar[SegmentEvent.Kind]
@@ -96,12 +120,14 @@ class SegmentEvent(_message.Message):
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     kind: SegmentEvent.Kind
     epoch: int
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
     more: bool
-    def __init__(self, kind: _Optional[_Union[SegmentEvent.Kind, str]] = ..., epoch: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., more: _Optional[bool] = ...) -> None: ...
+    columns: _containers.RepeatedCompositeFieldContainer[SegmentColumns]
+    def __init__(self, kind: _Optional[_Union[SegmentEvent.Kind, str]] = ..., epoch: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., columns: _Optional[_Iterable[_Union[SegmentColumns, _Mapping]]] = ...) -> None: ...
 
 class AllocateSegmentRequest(_message.Message):
     __slots__ = ("size", "perms", "name", "owner")
@@ -151,19 +177,61 @@ class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class Peer(_message.Message):
+    __slots__ = ("kind", "address", "identity", "connected_s")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_S_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    address: str
+    identity: str
+    connected_s: float
+    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., identity: _Optional[str] = ..., connected_s: _Optional[float] = ...) -> None: ...
+
+class RegistryState(_message.Message):
+    __slots__ = ("mode", "target", "published", "lease_id", "failures", "last_error", "last_success_age_s", "engines", "segments")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_SUCCESS_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    target: str
+    published: bool
+    lease_id: int
+    failures: int
+    last_error: str
+    last_success_age_s: float
+    engines: int
+    segments: int
+    def __init__(self, mode: _Optional[str] = ..., target: _Optional[str] = ..., published: _Optional[bool] = ..., lease_id: _Optional[int] = ..., failures: _Optional[int] = ..., last_error: _Optional[str] = ..., last_success_age_s: _Optional[float] = ..., engines: _Optional[int] = ..., segments: _Optional[int] = ...) -> None: ...
+
 class HealthReply(_message.Message):
-    __slots__ = ("status", "engine", "node_id", "epoch", "uptime_s")
+    __slots__ = ("status", "engine", "node_id", "epoch", "uptime_s", "segments", "segment_bytes", "peers", "registry")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
     status: str
     engine: str
     node_id: str
     epoch: int
     uptime_s: float
-    def __init__(self, status: _Optional[str] = ..., engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    segments: int
+    segment_bytes: int
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    registry: RegistryState
+    def __init__(self, status: _Optional[str] = ..., engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., uptime_s: _Optional[float] = ..., segments: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., registry: _Optional[_Union[RegistryState, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -267,7 +335,9 @@ class QuerySegmentsReply(_message.Message):
     def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
 
 class WatchRegistryRequest(_message.Message):
-    __slots__ = ("engines",)
+    __slots__ = ("engines", "columns")
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     engines: bool
-    def __init__(self, engines: _Optional[bool] = ...) -> None: ...
+    columns: bool
+    def __init__(self, engines: _Optional[bool] = ..., columns: _Optional[bool] = ...) -> None: ...

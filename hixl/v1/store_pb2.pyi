@@ -302,3 +302,61 @@ class StoreStatsReply(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     stats: _containers.ScalarMap[str, float]
     def __init__(self, stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ListKeysRequest(_message.Message):
+    __slots__ = ("regex", "limit")
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    regex: str
+    limit: int
+    def __init__(self, regex: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class KeyReplica(_message.Message):
+    __slots__ = ("replica", "segment_name", "live")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    replica: Replica
+    segment_name: str
+    live: bool
+    def __init__(self, replica: _Optional[_Union[Replica, _Mapping]] = ..., segment_name: _Optional[str] = ..., live: _Optional[bool] = ...) -> None: ...
+
+class KeyInfo(_message.Message):
+    __slots__ = ("key", "size", "state", "replicas", "lease_ms", "hard_pin", "soft_pin_ms")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        COMPLETE: _ClassVar[KeyInfo.State]
+        NOT_READY: _ClassVar[KeyInfo.State]
+        PUTTING: _ClassVar[KeyInfo.State]
+    COMPLETE: KeyInfo.State
+    NOT_READY: KeyInfo.State
+    PUTTING: KeyInfo.State
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    HARD_PIN_FIELD_NUMBER: _ClassVar[int]
+    SOFT_PIN_MS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    state: KeyInfo.State
+    replicas: _containers.RepeatedCompositeFieldContainer[KeyReplica]
+    lease_ms: int
+    hard_pin: bool
+    soft_pin_ms: int
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., state: _Optional[_Union[KeyInfo.State, str]] = ..., replicas: _Optional[_Iterable[_Union[KeyReplica, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., hard_pin: _Optional[bool] = ..., soft_pin_ms: _Optional[int] = ...) -> None: ...
+
+class ListKeysReply(_message.Message):
+    __slots__ = ("code", "message", "keys", "total", "truncated")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    keys: _containers.RepeatedCompositeFieldContainer[KeyInfo]
+    total: int
+    truncated: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[KeyInfo, _Mapping]]] = ..., total: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...

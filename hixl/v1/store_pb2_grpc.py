@@ -104,6 +104,11 @@ class MasterStub:
                 request_serializer=hixl_dot_v1_dot_store__pb2.StoreStatsRequest.SerializeToString,
                 response_deserializer=hixl_dot_v1_dot_store__pb2.StoreStatsReply.FromString,
                 _registered_method=True)
+        self.ListKeys = channel.unary_unary(
+                '/hixl.v1.Master/ListKeys',
+                request_serializer=hixl_dot_v1_dot_store__pb2.ListKeysRequest.SerializeToString,
+                response_deserializer=hixl_dot_v1_dot_store__pb2.ListKeysReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -195,6 +200,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListKeys(self, request, context):
+        """for operators (`hixl keys`)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +279,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=hixl_dot_v1_dot_store__pb2.StoreStatsRequest.FromString,
                     response_serializer=hixl_dot_v1_dot_store__pb2.StoreStatsReply.SerializeToString,
+            ),
+            'ListKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKeys,
+                    request_deserializer=hixl_dot_v1_dot_store__pb2.ListKeysRequest.FromString,
+                    response_serializer=hixl_dot_v1_dot_store__pb2.ListKeysReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -647,6 +664,33 @@ class Master:
             '/hixl.v1.Master/Stats',
             hixl_dot_v1_dot_store__pb2.StoreStatsRequest.SerializeToString,
             hixl_dot_v1_dot_store__pb2.StoreStatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hixl.v1.Master/ListKeys',
+            hixl_dot_v1_dot_store__pb2.ListKeysRequest.SerializeToString,
+            hixl_dot_v1_dot_store__pb2.ListKeysReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,832 @@
+"""`hixl bench store`: the Mooncake-compatible KV store, side by side with Mooncake Store.
+
+What a store user sees, per value size (64 KiB, 1 MiB, 8784 KiB by default) and call:
+put, get, put_from, get_into and the batch forms put_batch, get_batch, batch_put_from,
+batch_get_into (a batch of `batch` keys per call). The arrangement is the one Mooncake's
+"segment in another process" figures use (docs REFERENCE §7): a master; a *segment
+holder*, a separate store client process that contributes `global_segment_size` and
+does nothing else; and the bench client in this process, which contributes nothing
+(global_segment_size=0), so every byte it puts lands in the other process's memory and
+every byte it gets comes from there. On one node hixl's client then writes the holder's
+segment through the fabric path (mapped shared memory); across nodes it streams over TCP.
+
+When `mooncake.store` imports (the optional extra `hixl[mooncake]`), Mooncake Store runs
+in the same run with the same arrangement: its own `mooncake_master` (metadata
+P2PHANDSHAKE, protocol tcp), its own holder process, its client in this process, the same
+buffers, keys and calls; runs alternate between the two systems so machine noise hits both
+alike, and every cell gets the ratio hixl/Mooncake. A Mooncake cell that fails is skipped
+with its reason; without Mooncake our figures come alone, with a note.
+
+Every cell is `runs` runs of one warm-up call plus `calls_for(bytes per call)` timed calls;
+a cell reports the median over its runs of GB/s, keys/s and per-call p50/p99 latency. A
+call's time is the store call alone: checking its bytes happens between calls, untimed.
+Every byte is checked: each get's result against what was put (destinations zeroed before
+the call), and after each put run every key of the run is read back and compared. A wrong
+byte from hixl aborts the run (`StoreBenchFailure`). Keys are removed (force) after every
+run, and hixl's pool is given time to take back removed values' space (a forced removal
+frees a read-leased value when its lease ends), so the pool never fills.
+
+`python -m hixl.client.store_bench --holder hixl|mooncake --master HOST:PORT --host IP
+--segment BYTES [--forever]` runs a segment holder (scripts/bench_multinode.py --store
+starts the masters and holders on another simulated host this way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import platform
+import queue
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import IO, Any
+
+import numpy as np
+
+from hixl.client.bench import (
+    KIB,
+    MIB,
+    BenchFailure,
+    Timing,
+    format_rate,
+    format_table,
+    human_size,
+    local_address_towards,
+    page_aligned,
+)
+
+DEFAULT_SIZES = (64 * KIB, 1 * MIB, 8784 * KIB)
+OPS = ("put", "get", "put_from", "get_into", "put_batch", "get_batch", "batch_put_from",
+       "batch_get_into")
+PUT_OPS = frozenset({"put", "put_from", "put_batch", "batch_put_from"})
+BATCH_OPS = frozenset({"put_batch", "get_batch", "batch_put_from", "batch_get_into"})
+INTO_OPS = frozenset({"get_into", "batch_get_into"})   # read into registered memory
+SYSTEMS = ("hixl", "mooncake")
+
+RUN_BYTES = 64 * MIB          # a run moves about this much ...
+MIN_CALLS, MAX_CALLS = 5, 200  # ... in this many timed calls
+WARMUP_CALLS = 1              # per run, not timed
+LEASE_TTL_MS = 1000           # read lease of the masters the bench starts (both systems)
+MAX_USAGE = 0.7               # keep the pool below this (both masters evict at 0.9)
+ROOM_WAIT_S = 30.0            # longest wait for removed values' space to come back
+HOLDER_BUFFER = 1 * MIB       # a holder's local_buffer_size: it moves no bytes itself
+SHIFT_STEP, SHIFTS = 4160, 61  # where each call's values start in the source buffer
+REMOVE_CHUNK = 512
+START_TIMEOUT_S = 60.0
+METADATA, PROTOCOL = "P2PHANDSHAKE", "tcp"
+HOLDER_READY = "HIXL-STORE-HOLDER-READY"
+TARGET_ONE_NODE, TARGET_ACROSS_NODES = 5.0, 2.0
+OBJECT_NOT_FOUND = -704
+_QUIET = {"MC_LOG_LEVEL": "ERROR"}  # Mooncake logs every connection at INFO
+
+
+class StoreBenchFailure(BenchFailure):
+    """hixl's store moved wrong bytes or failed a call: the run is aborted."""
+
+
+class CellFailure(RuntimeError):
+    """One system's call failed in a cell (a one-line reason)."""
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass
+class StoreBenchConfig:
+    """What to measure; the defaults take 30-60 s on 2 cores (both systems)."""
+
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    batch: int = 8                  # keys per call of the batch forms
+    runs: int = 3                   # the median over runs is reported
+    run_bytes: int = RUN_BYTES      # bytes a run moves (calls: MIN_CALLS..MAX_CALLS)
+    master: str | None = None       # a running hixl-master; None starts one here
+    mooncake: bool = True           # measure Mooncake Store when it imports
+    mooncake_master: str | None = None  # a running mooncake_master; None starts one here
+    holders: bool = True            # start the segment holders here; False: already mounted
+    local: str | None = None        # this side's IP; None: the one routing to the master
+
+    def keys_per_call(self, op: str) -> int:
+        return self.batch if op in BATCH_OPS else 1
+
+    def calls_for(self, call_bytes: int) -> int:
+        """Timed calls per run: about run_bytes in all, within [MIN_CALLS, MAX_CALLS]."""
+        return max(MIN_CALLS, min(MAX_CALLS, self.run_bytes // max(1, call_bytes)))
+
+    def run_footprint(self, op: str, size: int) -> int:
+        """Pool bytes one run of a cell holds at once."""
+        call_bytes = self.keys_per_call(op) * size
+        if op in PUT_OPS:
+            return (WARMUP_CALLS + self.calls_for(call_bytes)) * call_bytes
+        return self.batch * size  # a get cell reads `batch` stored keys over and over
+
+    def segment_bytes(self) -> int:
+        """The holder's global_segment_size: room for the largest run below MAX_USAGE."""
+        largest = max(self.run_footprint(op, size) for op in OPS for size in self.sizes)
+        return math.ceil(largest / MAX_USAGE / MIB) * MIB + 16 * MIB
+
+    def buffer_bytes(self) -> int:
+        """The bench client's local_buffer_size: twice a batch of the largest values
+        (Mooncake's put_batch of 8 x 8784 KiB fails with -600 in exactly one batch)."""
+        return 2 * self.batch * max(self.sizes) + 16 * MIB
+
+    def check(self) -> None:
+        if not self.sizes or min(self.sizes) <= 0:
+            raise ValueError("sizes must be positive")
+        if self.batch <= 0 or self.runs <= 0 or self.run_bytes <= 0:
+            raise ValueError("batch, runs and run_bytes must be positive")
+
+
+# ---------------------------------------------------------------- verification
+
+
+def verify(label: str, expected: np.ndarray, got: Any) -> None:
+    """Raise StoreBenchFailure naming the first wrong byte unless `got` (bytes, a
+    buffer or an array) holds exactly `expected`."""
+    have = got if isinstance(got, np.ndarray) else np.frombuffer(got, dtype=np.uint8)
+    if have.size != expected.size:
+        raise StoreBenchFailure(f"{label}: WRONG LENGTH: expected {expected.size} bytes, "
+                                f"got {have.size}")
+    if not np.array_equal(have, expected):
+        bad = int(np.flatnonzero(have != expected)[0])
+        raise StoreBenchFailure(f"{label}: WRONG BYTES at offset {bad} of {expected.size}: "
+                                f"expected {int(expected[bad])}, found {int(have[bad])}")
+
+
+# ---------------------------------------------------------------- processes
+
+
+def wait_line(stream: IO[str], prefix: str, what: str,
+              timeout: float = START_TIMEOUT_S) -> str:
+    """The first line of `stream` starting with `prefix`, within `timeout`.
+
+    A thread reads the stream and keeps draining it afterwards, so the writer never
+    blocks on a full pipe. RuntimeError with the last lines seen if it never comes.
+    """
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=pump, daemon=True, name="hixl-store-bench-pump").start()
+    deadline = time.monotonic() + timeout
+    seen: list[str] = []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = ""
+        if line.startswith(prefix):
+            return line.strip()
+        if not line:
+            raise RuntimeError(f"{what} did not start: {' | '.join(seen[-5:]) or '(no output)'}")
+        seen.append(line.strip())
+
+
+def holder_command(system: str, master: str, host: str, segment_bytes: int,
+                   forever: bool = False) -> list[str]:
+    """argv of a segment holder process (see holder_main)."""
+    return [sys.executable, "-m", "hixl.client.store_bench", "--holder", system,
+            "--master", master, "--host", host, "--segment", str(segment_bytes),
+            *(["--forever"] if forever else [])]
+
+
+class HolderProcess:
+    """A segment holder on this host; stop() closes its stdin (it unmounts and exits)."""
+
+    def __init__(self, system: str, master: str, host: str, segment_bytes: int) -> None:
+        env = {**os.environ, **_QUIET, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(holder_command(system, master, host, segment_bytes),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+        assert self.proc.stdout is not None
+        try:
+            self.segment = wait_line(self.proc.stdout, HOLDER_READY,
+                                     f"{system} segment holder").split()[2]
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def mooncake_store_unavailable() -> str | None:
+    """Why Mooncake Store cannot be measured here, or None when `mooncake.store` imports."""
+    for key, value in _QUIET.items():
+        os.environ.setdefault(key, value)
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:  # a missing libibverbs.so is an ImportError too
+        return (f"mooncake.store does not import ({exc}); install the optional extra "
+                "`pip install hixl[mooncake]`")
+    except OSError as exc:
+        return f"mooncake.store does not load: {exc}"
+    return None
+
+
+def mooncake_master_binary() -> str | None:
+    """The `mooncake_master` executable the wheel ships (its package dir), else on PATH."""
+    with contextlib.suppress(ImportError):
+        import mooncake
+
+        path = os.path.join(os.path.dirname(os.path.abspath(mooncake.__file__)),
+                            "mooncake_master")
+        if os.path.isfile(path):
+            return path
+    return shutil.which("mooncake_master")
+
+
+def mooncake_master_command(binary: str, host: str, port: int, metrics_port: int) -> list[str]:
+    """argv of a `mooncake_master` with the read lease the bench gives hixl-master too."""
+    return [binary, f"-rpc_address={host}", f"-rpc_port={port}",
+            f"-metrics_port={metrics_port}", "-enable_metric_reporting=false",
+            f"-default_kv_lease_ttl={LEASE_TTL_MS}"]
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_port(host: str, port: int, timeout: float,
+              alive: Callable[[], bool] = lambda: True) -> bool:
+    """True once (host, port) accepts a connection; False after `timeout` or once `alive()`
+    says the server process is gone. (mooncake_master prints no ready line of its own.)"""
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), 0.5):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class MooncakeMasterProcess:
+    """A private `mooncake_master` on `host` (free ports), ready once its port accepts."""
+
+    def __init__(self, binary: str, host: str = "127.0.0.1") -> None:
+        port = free_port(host)
+        self.target = f"{host}:{port}"
+        fd, self.log_path = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
+        with os.fdopen(fd, "w") as log:
+            self.proc = subprocess.Popen(
+                mooncake_master_command(binary, host, port, free_port(host)),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        if not wait_port(host, port, START_TIMEOUT_S, alive=lambda: self.proc.poll() is None):
+            tail = self.log()[-2000:]
+            self.stop()
+            raise RuntimeError(f"mooncake_master did not start (status "
+                               f"{self.proc.returncode}): {tail}")
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        with contextlib.suppress(OSError):
+            os.unlink(self.log_path)
+
+
+def _store_class(system: str) -> type:
+    if system == "hixl":
+        from hixl.client.mooncake import MooncakeDistributedStore
+    else:
+        from mooncake.store import MooncakeDistributedStore
+    return MooncakeDistributedStore
+
+
+def _last_error(store: Any) -> str:
+    """hixl's store says why a call failed; Mooncake's does not."""
+    text = getattr(store, "last_error", "")
+    return f": {text}" if text else ""
+
+
+def holder_main(argv: Sequence[str] | None = None) -> int:
+    """A segment holder: a store client contributing `--segment` bytes, doing nothing else;
+    serves until its stdin closes (or forever), then unmounts."""
+    parser = argparse.ArgumentParser(prog="python -m hixl.client.store_bench")
+    parser.add_argument("--holder", choices=SYSTEMS, required=True)
+    parser.add_argument("--master", required=True, metavar="HOST:PORT")
+    parser.add_argument("--host", default="127.0.0.1", help="the IP peers reach it at")
+    parser.add_argument("--segment", type=int, required=True, help="global_segment_size")
+    parser.add_argument("--forever", action="store_true",
+                        help="serve until killed instead of until stdin closes")
+    args = parser.parse_args(argv)
+    if args.holder == "mooncake":
+        reason = mooncake_store_unavailable()
+        if reason is not None:
+            print(f"store holder: {reason}", flush=True)
+            return 1
+    store = _store_class(args.holder)()
+    rc = store.setup(args.host, METADATA, args.segment, HOLDER_BUFFER, PROTOCOL, "",
+                     args.master)
+    if rc != 0:
+        print(f"store holder: {args.holder} setup returned {rc}{_last_error(store)}",
+              flush=True)
+        return 1
+    print(f"{HOLDER_READY} {args.holder} {store.get_hostname()}", flush=True)
+    if args.forever:
+        threading.Event().wait()
+    while sys.stdin.readline():
+        pass
+    store.close()
+    return 0
+
+
+# ---------------------------------------------------------------- one system under test
+
+
+@dataclass
+class Side:
+    """One store implementation: its client in this process and where its master is."""
+
+    system: str
+    store: Any
+    master: str
+    stats: Any = None   # hixl: a MasterClient, to wait for pool room between runs
+    segment: str = ""   # the holder's segment name, when this run started it
+
+
+class StoreBench:
+    """The whole run: masters, holders, both clients, the cells."""
+
+    def __init__(self, config: StoreBenchConfig, progress: IO[str] | None = None) -> None:
+        config.check()
+        self.config = config
+        self.progress = progress
+        self._stack = contextlib.ExitStack()
+        self.sides: list[Side] = []
+        self.mooncake_info: dict[str, Any] = {"measured": False, "reason": ""}
+        self.cells: list[dict[str, Any]] = []
+        self.prefix = f"hixl-store-bench-{uuid.uuid4().hex[:8]}"
+        self._serial = 0
+        self._step = 0
+        self._steps = 0
+
+    # ---- set-up and tear-down
+
+    def __enter__(self) -> StoreBench:
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    def _open(self) -> None:
+        from hixl.client.registry_bench import MasterProcess
+
+        config = self.config
+        if config.master:
+            self.master = config.master
+        else:
+            self._note("starting hixl-master")
+            master = MasterProcess(log_level="WARNING",
+                                   extra=[f"-default_kv_lease_ttl={LEASE_TTL_MS}"])
+            self._stack.callback(master.close)
+            self.master = master.target
+        self.local = config.local or local_address_towards(self.master)
+        largest = max(config.sizes)
+        # values are cut from one random source at a per-call shift, so keys differ
+        self.src = page_aligned(config.batch * largest + SHIFTS * SHIFT_STEP)
+        self.src[:] = np.random.default_rng(20240601).integers(0, 256, self.src.size,
+                                                               dtype=np.uint8)
+        self.dst = page_aligned(config.batch * largest)
+        self.sides.append(self._open_hixl())
+        mooncake = self._open_mooncake()
+        if mooncake is not None:
+            self.sides.append(mooncake)
+
+    def _open_client(self, system: str, master: str) -> Any:
+        """This process's client: no segment of its own, room for one batch of values."""
+        store = _store_class(system)()
+        self._stack.callback(store.close)
+        rc = store.setup(self.local, METADATA, 0, self.config.buffer_bytes(), PROTOCOL, "",
+                         master)
+        if rc != 0:
+            raise CellFailure(f"{system} client setup at master {master} returned {rc}"
+                              f"{_last_error(store)}")
+        for buf in (self.src, self.dst):
+            rc = store.register_buffer(int(buf.ctypes.data), buf.nbytes)
+            if rc != 0:
+                raise CellFailure(f"{system} register_buffer({buf.nbytes}) returned {rc}"
+                                  f"{_last_error(store)}")
+        return store
+
+    def _open_holder(self, system: str, master: str) -> str:
+        self._note(f"starting the {system} segment holder")
+        holder = HolderProcess(system, master, self.local, self.config.segment_bytes())
+        self._stack.callback(holder.stop)
+        return holder.segment
+
+    def _open_hixl(self) -> Side:
+        from hixl.control import node_identity
+        from hixl.store_client import MasterClient
+
+        segment = self._open_holder("hixl", self.master) if self.config.holders else ""
+        try:
+            store = self._open_client("hixl", self.master)
+        except CellFailure as exc:
+            raise StoreBenchFailure(str(exc)) from None
+        stats = MasterClient(self.master)
+        self._stack.callback(stats.close)
+        mounted = [m.segment for m in stats.list_segments() if m.live]
+        if not mounted:
+            raise StoreBenchFailure(
+                f"no segment is mounted at hixl-master {self.master}: start a holder there "
+                f"(`python -m hixl.client.store_bench --holder hixl --master {self.master} "
+                f"--host IP --segment {self.config.segment_bytes()}`) or drop --no-holder")
+        here = node_identity()
+        self.across_nodes = all(s.node_id != here for s in mounted)
+        self.holder_segments = sorted({s.engine for s in mounted})
+        return Side("hixl", store, self.master, stats, segment)
+
+    def _open_mooncake(self) -> Side | None:
+        """Mooncake Store in the same arrangement, or None with the reason noted."""
+        config, info = self.config, self.mooncake_info
+        reason = None if config.mooncake else "not asked for (--no-mooncake)"
+        reason = reason or mooncake_store_unavailable()
+        binary = mooncake_master_binary()
+        if reason is None and not config.mooncake_master and binary is None:
+            reason = "no mooncake_master executable (not in the mooncake package nor on PATH)"
+        if reason is None and not config.holders and not config.mooncake_master:
+            reason = ("--no-holder needs --mooncake-master: a Mooncake master whose holder is "
+                      "mounted already")
+        if reason is not None:
+            info["reason"] = reason
+            return None
+        try:
+            if config.mooncake_master:
+                master = config.mooncake_master
+            else:
+                self._note("starting mooncake_master")
+                assert binary is not None
+                process = MooncakeMasterProcess(binary)
+                self._stack.callback(process.stop)
+                master = process.target
+            segment = self._open_holder("mooncake", master) if config.holders else ""
+            store = self._open_client("mooncake", master)
+        except (CellFailure, RuntimeError, OSError) as exc:
+            info["reason"] = f"set-up failed: {exc}"
+            return None
+        from hixl.client.mooncake_baseline import version
+
+        info.update(measured=True, version=version(), master=master, metadata=METADATA,
+                    protocol=PROTOCOL, segment=segment)
+        return Side("mooncake", store, master, None, segment)
+
+    # ---- progress
+
+    def _note(self, text: str) -> None:
+        if self.progress is None:
+            return
+        step = f"[{self._step}/{self._steps}] " if self._steps else ""
+        self.progress.write(f"\rhixl bench store {step}{text}"[:100].ljust(100))
+        self.progress.flush()
+
+    # ---- the run
+
+    def run(self) -> dict[str, Any]:
+        config = self.config
+        self._steps = len(config.sizes) * len(OPS)
+        for size in config.sizes:
+            for op in OPS:
+                self._step += 1
+                self._note(f"{op} {human_size(size)}")
+                self._cell(op, size)
+        if self.progress is not None:
+            self.progress.write("\r" + " " * 100 + "\r")
+            self.progress.flush()
+        return {
+            "version": 1,
+            "kind": "store",
+            "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                     "python": platform.python_version()},
+            "config": {**asdict(config), "sizes": list(config.sizes)},
+            "master": self.master,
+            "local": self.local,
+            "across_nodes": self.across_nodes,
+            "holder_segments": self.holder_segments,
+            "segment_bytes": config.segment_bytes(),
+            "mooncake": self.mooncake_info,
+            "cells": self.cells,
+            "targets": evaluate_store_targets(self.cells, across_nodes=self.across_nodes),
+            "verified": all(c["verified"] for c in self.cells if c["system"] == "hixl"),
+        }
+
+    def _cell(self, op: str, size: int) -> None:
+        """Every system's runs of one cell, alternating run by run."""
+        config = self.config
+        keys = config.keys_per_call(op)
+        timings: dict[str, list[Timing]] = {side.system: [] for side in self.sides}
+        errors: dict[str, str] = {}
+        stored: dict[str, list[tuple[str, int]]] = {}
+        try:
+            if op not in PUT_OPS:
+                for side in self.sides:
+                    with self._guard(side, errors):
+                        stored[side.system] = self._store_values(side, size, config.batch)
+            for _ in range(config.runs):
+                for side in self.sides:
+                    if side.system in errors:
+                        continue
+                    with self._guard(side, errors):
+                        timings[side.system].append(
+                            self._put_run(side, op, size) if op in PUT_OPS
+                            else self._get_run(side, op, size, stored[side.system]))
+        finally:
+            for side in self.sides:
+                if side.system in stored:
+                    with self._guard(side, errors):
+                        self._remove(side, [k for k, _ in stored[side.system]])
+        cells = {}
+        for side in self.sides:
+            cell: dict[str, Any] = {"system": side.system, "op": op, "size": size,
+                                    "batch": keys}
+            if side.system in errors:
+                cell.update(skipped=errors[side.system], verified=False)
+            else:
+                cell.update(summarize(timings[side.system], size * keys, keys), verified=True)
+            cells[side.system] = self._record(cell)
+        ours, theirs = cells["hixl"], cells.get("mooncake")
+        if theirs is not None and "skipped" not in theirs and theirs["gbps"] > 0:
+            ours.update(mooncake_gbps=theirs["gbps"], mooncake_p50_us=theirs["p50_us"],
+                        vs_mooncake=ours["gbps"] / theirs["gbps"],
+                        vs_mooncake_p50=ours["p50_gbps"] / theirs["p50_gbps"])
+
+    @contextlib.contextmanager
+    def _guard(self, side: Side, errors: dict[str, str]) -> Iterator[None]:
+        """One step of a system's cell: hixl's failures abort the run; Mooncake's (any
+        error, wrong bytes included) skip its cell, with a one-line reason."""
+        try:
+            yield
+        except (CellFailure, StoreBenchFailure) as exc:
+            if side.system == "hixl":
+                raise StoreBenchFailure(str(exc)) from None
+            errors.setdefault(side.system, str(exc).splitlines()[0])
+        except Exception as exc:
+            if side.system == "hixl":
+                raise
+            errors.setdefault(side.system, f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+    def _record(self, cell: dict[str, Any]) -> dict[str, Any]:
+        self.cells.append(cell)
+        return cell
+
+    # ---- keys and values
+
+    def _values(self, calls: int, keys: int, size: int) -> list[list[tuple[str, int]]]:
+        """Fresh (key, source offset) pairs for `calls` calls of `keys` keys each."""
+        out = []
+        for _ in range(calls):
+            self._serial += 1
+            shift = (self._serial % SHIFTS) * SHIFT_STEP
+            out.append([(f"{self.prefix}/{self._serial}/{j}", j * size + shift)
+                        for j in range(keys)])
+        return out
+
+    def _expected(self, offset: int, size: int) -> np.ndarray:
+        return self.src[offset:offset + size]
+
+    def _store_values(self, side: Side, size: int, count: int) -> list[tuple[str, int]]:
+        """`count` values stored for a get cell (one batch_put_from, untimed)."""
+        [pairs] = self._values(1, count, size)
+        self._make_room(side, count * size)
+        self._call_put(side, "batch_put_from", pairs, size)
+        return pairs
+
+    def _remove(self, side: Side, keys: list[str]) -> None:
+        for start in range(0, len(keys), REMOVE_CHUNK):
+            chunk = keys[start:start + REMOVE_CHUNK]
+            codes = side.store.batch_remove(chunk, True)
+            bad = [c for c in codes if c not in (0, OBJECT_NOT_FOUND)]
+            if bad:
+                raise CellFailure(f"{side.system} batch_remove returned {bad[0]}"
+                                  f"{_last_error(side.store)}")
+
+    def _make_room(self, side: Side, need: int) -> None:
+        """Wait until the pool can take `need` more bytes below MAX_USAGE: hixl frees a
+        removed value's space when its read lease ends (Mooncake at once)."""
+        if side.stats is None:
+            return
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            stats = side.stats.stats()
+            if stats["used"] + need <= MAX_USAGE * stats["capacity"]:
+                return
+            if time.monotonic() > deadline:
+                raise CellFailure(
+                    f"{side.system}: the pool ({stats['capacity']:.0f} bytes, "
+                    f"{stats['used']:.0f} used) has no room for {need} bytes after "
+                    f"{ROOM_WAIT_S:g} s; give the holder a larger segment (this run needs "
+                    f"{self.config.segment_bytes()})")
+            time.sleep(0.02)
+
+    # ---- calls
+
+    def _call_put(self, side: Side, op: str, pairs: list[tuple[str, int]], size: int) -> None:
+        """One put-family call storing `pairs`; CellFailure unless every key returned 0."""
+        store, src = side.store, self.src
+        keys = [k for k, _ in pairs]
+        if op == "put":
+            codes = [store.put(keys[0], memoryview(src[pairs[0][1]:pairs[0][1] + size]))]
+        elif op == "put_from":
+            codes = [store.put_from(keys[0], int(src.ctypes.data) + pairs[0][1], size)]
+        elif op == "put_batch":
+            codes = [store.put_batch(keys, [memoryview(src[o:o + size]) for _, o in pairs])]
+        else:
+            base = int(src.ctypes.data)
+            codes = list(store.batch_put_from(keys, [base + o for _, o in pairs],
+                                              [size] * len(pairs)))
+        if any(c != 0 for c in codes):
+            raise CellFailure(f"{side.system} {op}({human_size(size)} x{len(pairs)}) returned "
+                              f"{codes if len(codes) > 1 else codes[0]}{_last_error(store)}")
+
+    def _call_get(self, side: Side, op: str, pairs: list[tuple[str, int]], size: int
+                  ) -> list[Any]:
+        """One get-family call; per key what came back (bytes, or a view of dst)."""
+        store, dst = side.store, self.dst
+        keys = [k for k, _ in pairs]
+        base = int(dst.ctypes.data)
+        if op == "get":
+            return [store.get(keys[0])]
+        if op == "get_batch":
+            return list(store.get_batch(keys))
+        if op == "get_into":
+            codes = [store.get_into(keys[0], base, size)]
+        else:
+            codes = list(store.batch_get_into(keys, [base + j * size for j in range(len(keys))],
+                                              [size] * len(keys)))
+        if any(c != size for c in codes):
+            raise CellFailure(f"{side.system} {op}({human_size(size)} x{len(keys)}) returned "
+                              f"{codes if len(codes) > 1 else codes[0]} (expected {size})"
+                              f"{_last_error(store)}")
+        return [dst[j * size:(j + 1) * size] for j in range(len(keys))]
+
+    def _check(self, side: Side, op: str, pairs: list[tuple[str, int]], size: int,
+               results: list[Any]) -> None:
+        for (key, offset), got in zip(pairs, results, strict=True):
+            verify(f"{side.system} {op} {human_size(size)} key {key}",
+                   self._expected(offset, size), got)
+
+    def _put_run(self, side: Side, op: str, size: int) -> Timing:
+        """WARMUP_CALLS + calls puts of fresh keys; then every key is read back, checked
+        and removed."""
+        keys = self.config.keys_per_call(op)
+        calls = self.config.calls_for(keys * size)
+        self._make_room(side, (WARMUP_CALLS + calls) * keys * size)
+        plan = self._values(WARMUP_CALLS + calls, keys, size)
+        latencies: list[int] = []
+        clock = time.perf_counter_ns
+        try:
+            for index, pairs in enumerate(plan):
+                began = clock()
+                self._call_put(side, op, pairs, size)
+                if index >= WARMUP_CALLS:
+                    latencies.append(clock() - began)
+            everything = [pair for pairs in plan for pair in pairs]
+            for start in range(0, len(everything), self.config.batch):
+                chunk = everything[start:start + self.config.batch]
+                self.dst[:len(chunk) * size] = 0
+                self._check(side, f"{op} (read back)", chunk,
+                            size, self._call_get(side, "batch_get_into", chunk, size))
+        finally:
+            self._remove(side, [k for pairs in plan for k, _ in pairs])
+        return Timing(latencies, sum(latencies) / 1e9)
+
+    def _get_run(self, side: Side, op: str, size: int, stored: list[tuple[str, int]]) -> Timing:
+        """WARMUP_CALLS + calls gets of the stored keys (single forms take them in turn),
+        each checked byte for byte after it returns."""
+        keys = self.config.keys_per_call(op)
+        calls = self.config.calls_for(keys * size)
+        latencies: list[int] = []
+        clock = time.perf_counter_ns
+        for index in range(WARMUP_CALLS + calls):
+            pairs = stored if keys > 1 else [stored[index % len(stored)]]
+            if op in INTO_OPS:
+                self.dst[:len(pairs) * size] = 0
+            began = clock()
+            results = self._call_get(side, op, pairs, size)
+            elapsed = clock() - began
+            if index >= WARMUP_CALLS:
+                latencies.append(elapsed)
+            self._check(side, op, pairs, size, results)
+        return Timing(latencies, sum(latencies) / 1e9)
+
+
+# ---------------------------------------------------------------- statistics and targets
+
+
+_MEDIAN_KEYS = ("gbps", "ops_per_s", "calls_per_s", "mean_us", "p50_us", "p99_us", "p50_gbps")
+
+
+def summarize(timings: list[Timing], call_bytes: int, keys: int) -> dict[str, Any]:
+    """A cell's figures: the median over its runs of each run's summary."""
+    runs = [t.summary(call_bytes, keys) for t in timings]
+    out: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in _MEDIAN_KEYS}
+    out.update(runs=len(runs), calls=sum(r["calls"] for r in runs),
+               runs_gbps=[r["gbps"] for r in runs])
+    return out
+
+
+def evaluate_store_targets(cells: list[dict[str, Any]], *, across_nodes: bool
+                           ) -> list[dict[str, Any]]:
+    """Every hixl cell measured against Mooncake in the same run: >= 5x its GB/s on one
+    node (both with the segment in another process), >= 2x across nodes over TCP."""
+    limit = TARGET_ACROSS_NODES if across_nodes else TARGET_ONE_NODE
+    name = (f"across nodes (tcp): >= {limit:g}x Mooncake Store" if across_nodes
+            else f"one node: >= {limit:g}x Mooncake Store")
+    return [{"target": name, "op": c["op"], "size": c["size"], "batch": c["batch"],
+             "metric": "vs_mooncake", "value": c["vs_mooncake"], "limit": limit,
+             "met": c["vs_mooncake"] >= limit}
+            for c in cells if c["system"] == "hixl" and "vs_mooncake" in c]
+
+
+# ---------------------------------------------------------------- report
+
+
+def format_store_report(report: dict[str, Any]) -> str:
+    """The human-readable table: per cell hixl and Mooncake side by side, then targets."""
+    where = "across nodes (tcp)" if report["across_nodes"] else "one node"
+    mooncake = report["mooncake"]
+    out = [f"hixl bench store  {where}: client {report['local']} (no segment of its own) -> "
+           f"segment in another process ({', '.join(report['holder_segments'])}), hixl-master "
+           f"{report['master']}  {report['host']['cpus']} CPUs"]
+    if mooncake["measured"]:
+        out.append(f"side by side: Mooncake Store {mooncake['version']} ({mooncake['protocol']},"
+                   f" {mooncake['metadata']}, master {mooncake['master']}), same arrangement")
+    else:
+        out.append(f"Mooncake Store not measured: {mooncake['reason']}")
+    by_key = {(c["system"], c["op"], c["size"]): c for c in report["cells"]}
+    rows, skipped = [], []
+    for cell in report["cells"]:
+        if cell["system"] != "hixl":
+            continue
+        theirs = by_key.get(("mooncake", cell["op"], cell["size"]))
+        row = [cell["op"], human_size(cell["size"]), str(cell["batch"]), str(cell["calls"]),
+               f"{cell['gbps']:.3f}", format_rate(cell["ops_per_s"]), f"{cell['p50_us']:.0f}",
+               f"{cell['p99_us']:.0f}"]
+        if theirs is not None and "skipped" not in theirs:
+            row += [f"{theirs['gbps']:.3f}", format_rate(theirs["ops_per_s"]),
+                    f"{theirs['p50_us']:.0f}", f"{theirs['p99_us']:.0f}",
+                    f"{cell['vs_mooncake']:.2f}x"]
+        else:
+            row += ["-"] * 5
+            if theirs is not None:
+                skipped.append(f"mooncake {cell['op']} {human_size(cell['size'])}: skipped: "
+                               f"{theirs['skipped']}")
+        rows.append(row)
+    out += ["", format_table(["op", "size", "batch", "calls", "GB/s", "keys/s", "p50 us",
+                              "p99 us", "MC GB/s", "MC keys/s", "MC p50", "MC p99", "ratio"],
+                             rows),
+            f"(medians over {report['config']['runs']} runs; a call's time is the store call "
+            "alone; ratio: hixl / Mooncake GB/s)"]
+    out += skipped
+    targets = [[t["target"], t["op"], human_size(t["size"]), f"{t['value']:.2f}x",
+                "met" if t["met"] else "MISSED"] for t in report["targets"]]
+    if targets:
+        out += ["", "targets", format_table(["target", "op", "size", "ratio", ""], targets)]
+    out += ["", "correctness: every value read back and compared byte for byte"
+            if report["verified"] else "correctness: FAILED"]
+    return "\n".join(out)
+
+
+def run_store_bench(config: StoreBenchConfig, progress: IO[str] | None = None
+                    ) -> dict[str, Any]:
+    """Run the store benchmark; raises StoreBenchFailure on wrong bytes or a failed call."""
+    with StoreBench(config, progress) as bench:
+        return bench.run()
+
+
+if __name__ == "__main__":
+    sys.exit(holder_main())
