@@ -9,9 +9,12 @@ on host B starts a `hixl-agent`, the raw Python socket-stream server (the baseli
 when `mooncake.engine` imports, a Mooncake TransferEngine target; on host A it runs
 `hixl bench --agent B --raw-peer B [--mooncake-peer B]`, so every figure and every ratio
 compares transfers between the same two hosts in the same run. It prints the bench's
-report and the veth byte counters of both hosts: proof the bytes crossed the link.
+report and the veth byte counters of both hosts: proof the bytes crossed the link. Then,
+when `iperf3` is installed, it measures the link's TCP ceiling (C, streaming, 1 and 3
+streams, both directions) and prints, at 8784 KiB, hixl's share of it and the ceiling as
+a multiple of Mooncake: how far any same-run ratio can go on this machine.
 
-Flags other than --json/--keep-logs/--store go to `hixl bench` unchanged (e.g. --sizes
+Flags other than --json/--keep-logs/--store/--ceiling-seconds go to `hixl bench` unchanged (e.g. --sizes
 4K,1M --ops write --seconds 0.2). Across hosts only the socket path applies (the fabric path
 maps memory of the same node). Needs root; exits with status 2 when hosts cannot be made.
 
@@ -27,9 +30,11 @@ the link over TCP, for both systems.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -47,6 +52,9 @@ RAW_PORT = 50170
 STORE_MASTER_PORT = 50171  # host B's hixl-master
 MOONCAKE_MASTER_PORT, MOONCAKE_METRICS_PORT = 50172, 50173  # host B's mooncake_master
 MASTER_READY = "hixl-master serving "
+IPERF_PORT = 50174  # host B's iperf3 server: the link's ceiling for any TCP sender
+IPERF_SECONDS = 2  # per direction and stream count (--ceiling-seconds)
+IPERF_STREAMS = (1, 3)  # one stream, and as many as hixl stripes a large batch over
 RUN_TIMEOUT_S = 3600.0
 
 
@@ -113,7 +121,8 @@ def _links(a: Any, b: Any, before: dict[Any, tuple[int, int]],
             for role, h in (("a", a), ("b", b))}
 
 
-def run(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
+def run(bench_args: list[str], keep_logs: bool, ceiling_seconds: int = IPERF_SECONDS
+        ) -> dict[str, Any]:
     """Two hosts, the servers on B, the bench on A; returns the bench report plus counters."""
     args = cli.build_parser().parse_args(["bench", *bench_args])
     if args.agent or args.raw_peer or args.mooncake_peer or args.local:
@@ -156,7 +165,8 @@ def run(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
         if why_not is not None and why_not != "off":
             report["mooncake"]["reason"] = why_not
         links = _links(a, b, before, after)
-    return {"bench": report, "links": links, "moved": _moved(report)}
+        ceiling = link_ceiling(a, b, ceiling_seconds)
+    return {"bench": report, "links": links, "moved": _moved(report), "ceiling": ceiling}
 
 
 def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
@@ -227,6 +237,71 @@ def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
     return {"bench": report, "links": links, "moved": _moved(report)}
 
 
+def link_ceiling(a: Any, b: Any, seconds: int = IPERF_SECONDS) -> dict[str, Any]:
+    """iperf3 (C, streaming with no request/reply) A->B and B->A over the same link.
+
+    The best of one TCP stream and of 3 in parallel (as many as hixl stripes a large batch
+    over) is what a TCP sender reaches between these two hosts on this machine: the
+    ceiling for hixl's socket path and for Mooncake's tcp engine alike (both copy through
+    the kernel on each side), so it shows how far a same-run ratio can go. Measured after
+    the bench so it never competes with it.
+    """
+    if seconds <= 0:
+        return {"measured": False, "reason": "off (--ceiling-seconds 0)"}
+    if shutil.which("iperf3") is None:
+        return {"measured": False, "reason": "iperf3 not installed (apt install iperf3)"}
+    server = b.spawn(["iperf3", "--server", "--bind", b.ip, "--port", str(IPERF_PORT)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL)
+    ceiling: dict[str, Any] = {"measured": True, "tool": "iperf3", "seconds": seconds,
+                               "streams": {}}
+    try:
+        for (way, flags), streams in itertools.product(
+                (("write", []), ("read", ["--reverse"])), IPERF_STREAMS):
+            for _ in range(50):  # the server needs a moment to listen, and to reset
+                result = a.run(["iperf3", "--client", b.ip, "--port", str(IPERF_PORT),
+                                "--time", str(seconds), "--parallel", str(streams),
+                                "--json", *flags], timeout=seconds + 30)
+                try:
+                    report = json.loads(result.stdout)
+                except ValueError:
+                    report = {"error": (result.stdout + result.stderr)[-300:]}
+                if "error" not in report:
+                    break
+                time.sleep(0.1)
+            if "error" in report:
+                return {"measured": False, "reason": f"iperf3 failed: {report['error']}"}
+            gbps = report["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
+            ceiling["streams"][f"{way} x{streams}"] = gbps
+            ceiling[way] = max(ceiling.get(way, 0.0), gbps)
+    finally:
+        server.kill()
+    return ceiling
+
+
+def format_ceiling(result: dict[str, Any]) -> str:
+    """The link's ceiling and, at each 8784 KiB socket cell, how close hixl and Mooncake get."""
+    ceiling = result.get("ceiling")
+    if not ceiling:
+        return ""
+    if not ceiling["measured"]:
+        return f"\nlink ceiling: not measured: {ceiling['reason']}"
+    each = ", ".join(f"{name} streams {gbps:.2f}" for name, gbps in ceiling["streams"].items())
+    lines = ["", f"link ceiling (iperf3, best of {each} GB/s): A->B {ceiling['write']:.2f} "
+                 f"GB/s, B->A {ceiling['read']:.2f} GB/s"]
+    for cell in result["bench"]["cells"]:
+        if (cell["kind"] == "engine" and cell["mode"] == "sync"
+                and cell["block"] == bench.HIXL_BLOCK):
+            limit = ceiling[cell["op"]]
+            text = (f"  {cell['op']} {bench.human_size(cell['block'])} x{cell['batch']}: "
+                    f"hixl {cell['gbps']:.2f} GB/s = {cell['gbps'] / limit:.2f}x the ceiling")
+            if cell.get("mooncake_gbps"):
+                text += (f"; Mooncake {cell['mooncake_gbps']:.2f} GB/s: the ceiling is "
+                         f"{limit / cell['mooncake_gbps']:.2f}x Mooncake")
+            lines.append(text)
+    return "\n".join(lines)
+
+
 def format_links(result: dict[str, Any]) -> str:
     links, moved = result["links"], result["moved"]
     lines = ["", "link counters during the bench (veth eth0 of each host)"]
@@ -252,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
                              "then go to stderr)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the agents' logs under the harness's run directory")
+    parser.add_argument("--ceiling-seconds", type=int, default=IPERF_SECONDS, metavar="S",
+                        help="after the bench, measure the link's TCP ceiling with iperf3 for "
+                             f"S seconds per direction and stream count (default {IPERF_SECONDS};"
+                             " 0 = skip; ignored with --store)")
     parser.add_argument("--store", action="store_true",
                         help="run `hixl bench store` (the KV store against Mooncake Store) "
                              "instead of `hixl bench`; other flags go to it")
@@ -260,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"bench_multinode: simulated hosts unavailable: {reason}", file=sys.stderr)
         return 2
-    result = (run_store if ours.store else run)(bench_args, ours.keep_logs)
+    result = (run_store(bench_args, ours.keep_logs) if ours.store
+              else run(bench_args, ours.keep_logs, ours.ceiling_seconds))
     report = result["bench"]
     table = store_bench.format_store_report(report) if ours.store else bench.format_report(report)
-    text = table + "\n" + format_links(result)
+    text = table + "\n" + format_links(result) + format_ceiling(result)
     print(text, file=sys.stderr if ours.json == "-" else sys.stdout, flush=True)
     if ours.json:
         blob = json.dumps(result, indent=2)

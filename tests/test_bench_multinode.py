@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -33,7 +34,7 @@ def test_bench_between_two_hosts_reports_every_cell_and_crosses_the_link() -> No
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--json", "-", "--sizes", "4K,64K", "--batch", "1,2",
          "--modes", "sync", "--seconds", "0.05", "--warmup", "1", "--hixl-block", "64K",
-         "--hixl-transfers", "3"],
+         "--hixl-transfers", "3", "--ceiling-seconds", "1"],
         capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-6000:]
     result = json.loads(proc.stdout)
@@ -64,3 +65,15 @@ def test_bench_between_two_hosts_reports_every_cell_and_crosses_the_link() -> No
     assert links["a"]["tx_bytes"] >= moved["write"] <= links["b"]["rx_bytes"]
     assert links["b"]["tx_bytes"] >= moved["read"] <= links["a"]["rx_bytes"]
     assert "the bytes crossed the link" in proc.stderr
+    # the link's TCP ceiling, measured with iperf3 (installed by .ci/run) after the bench
+    ceiling = result["ceiling"]
+    if shutil.which("iperf3") is None and os.environ.get("CI") != "true":
+        assert ceiling == {"measured": False, "reason": "iperf3 not installed (apt install iperf3)"}
+    else:
+        assert ceiling["measured"] is True, ceiling
+        assert set(ceiling["streams"]) == {"write x1", "write x3", "read x1", "read x3"}
+        assert all(gbps > 0 for gbps in ceiling["streams"].values())
+        for way in ("write", "read"):
+            assert ceiling[way] == max(ceiling["streams"][f"{way} x1"],
+                                       ceiling["streams"][f"{way} x3"])
+        assert "link ceiling (iperf3" in proc.stderr

@@ -536,8 +536,10 @@ def test_k8s_agent_daemonset(tmp_path: Path) -> None:
     [runtime] = [m for m in container["volumeMounts"] if m["mountPath"] == config.runtime_dir]
     volume = {v["name"]: v for v in spec["volumes"]}[runtime["name"]]
     assert volume["hostPath"]["path"] == config.runtime_dir
-    assert {p["containerPort"] for p in container["ports"]} == {config.grpc_port,
-                                                               config.data_port}
+    assert {p["containerPort"] for p in container["ports"]} == {
+        config.grpc_port, config.data_port, config.metrics_port}
+    annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(config.metrics_port)
     assert daemonset["spec"]["selector"]["matchLabels"].items() <= daemonset["spec"][
         "template"]["metadata"]["labels"].items()
 
@@ -613,14 +615,16 @@ def test_example_master_and_agent_start_and_form_a_cluster(
     # the deploy files as they are; only what would clash on a test machine is overridden
     master = Process([sys.executable, "-m", "hixl.server.master",
                       "--config", str(DEPLOY / "master.yaml"), "--host", "127.0.0.1",
-                      "--port", "0", "--data-dir", str(workdir / "master")],
+                      "--port", "0", "--metrics-port", "0",
+                      "--data-dir", str(workdir / "master")],
                      env, "hixl-master serving ", workdir)
     agent = None
     try:
         agent_env = {**env, "HIXL_AGENT_MASTER": master.line, "HIXL_AGENT_NODE_ID": "node-t"}
         agent = Process([sys.executable, "-m", "hixl.server.main",
                          "--config", str(DEPLOY / "agent.yaml"), "--grpc-port", "0",
-                         "--data-port", "0", "--runtime-dir", str(workdir / "run"),
+                         "--data-port", "0", "--metrics-port", "0",
+                         "--runtime-dir", str(workdir / "run"),
                          "--pool-size", "1MiB"],
                         agent_env, "hixl-agent serving ", workdir)
         engine = dict(f.split("=", 1) for f in agent.line.split())["engine"]
