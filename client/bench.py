@@ -513,12 +513,57 @@ def sample_windows(block: int, batch: int) -> list[tuple[int, int]]:
     return windows
 
 
+class Progress:
+    """A progress bar for long runs (tqdm): cells done of all, elapsed, ETA, the current cell.
+
+    `stream` None draws nothing (the CLI passes stderr only when it is a terminal, or with
+    --progress). Notes before the first cell (starting processes) show in the bar's text.
+    """
+
+    def __init__(self, label: str, stream: IO[str] | None) -> None:
+        self._bar: Any = None
+        self._running = False  # a cell is under way: the next advance() completes it
+        if stream is not None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=None, desc=label, file=stream, leave=False,
+                             dynamic_ncols=True, mininterval=0.2,
+                             bar_format="{desc} {bar} {n_fmt}/{total_fmt} "
+                                        "[{elapsed}<{remaining}{postfix}]")
+
+    def start(self, total: int) -> None:
+        """The run's number of cells is known now."""
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.refresh()
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
+
+    def advance(self, text: str) -> None:
+        """The next cell, `text`, starts: the previous one is done."""
+        if self._bar is not None:
+            if self._running:
+                self._bar.update(1)
+            self._running = True
+            self._bar.set_postfix_str(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            if self._running:
+                self._bar.update(1)
+                self._bar.refresh()  # show the last step even inside mininterval
+            self._bar.close()
+            self._bar = None
+
+
 class Bench:
     """The whole run: the agent, one engine per path, the remote segment, the baselines."""
 
     def __init__(self, config: BenchConfig, progress: IO[str] | None = None) -> None:
         self.config = config
-        self.progress = progress
+        self.progress = Progress("hixl bench", progress)
         self.call_bytes = config.largest_call()
         self.rng = np.random.default_rng(20240601)
         self._stack = contextlib.ExitStack()
@@ -526,8 +571,6 @@ class Bench:
         self.remote_base = 0
         self.agent = ""
         self.cells: list[dict[str, Any]] = []
-        self._step = 0
-        self._steps = 0
 
     # ---- set-up and tear-down
 
@@ -540,6 +583,7 @@ class Bench:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.progress.close()
         self._stack.close()
 
     def _open(self) -> None:
@@ -674,16 +718,10 @@ class Bench:
     # ---- progress
 
     def _note(self, text: str) -> None:
-        if self.progress is None:
-            return
-        step = f"[{self._step}/{self._steps}] " if self._steps else ""
-        line = f"\rhixl bench {step}{text}"
-        self.progress.write(line[:100].ljust(100))
-        self.progress.flush()
+        self.progress.note(text)
 
     def _advance(self, text: str) -> None:
-        self._step += 1
-        self._note(text)
+        self.progress.advance(text)
 
     # ---- the run
 
@@ -694,15 +732,13 @@ class Bench:
         per_grid = ((2 + len(config.ops) if "fabric" in self.paths else 0)
                     + (socket_baselines * len(config.ops) if "socket" in self.paths else 0)
                     + len(self.paths) * len(config.ops) * len(config.modes))
-        self._steps = (len(grid) * per_grid if config.matrix else 0) + (
-            len(self.paths) * len(config.ops) if config.hixl_style else 0)
+        self.progress.start((len(grid) * per_grid if config.matrix else 0) + (
+            len(self.paths) * len(config.ops) if config.hixl_style else 0))
         if config.matrix:
             for block, batch in grid:
                 self._run_grid_point(block, batch)
         hixl_style = self._run_hixl_style() if config.hixl_style else []
-        if self.progress is not None:
-            self.progress.write("\r" + " " * 100 + "\r")
-            self.progress.flush()
+        self.progress.close()
         return {
             "version": 1,
             "agent": self.agent,

@@ -58,6 +58,7 @@ from hixl.client.bench import (
     KIB,
     MIB,
     BenchFailure,
+    Progress,
     Timing,
     format_rate,
     format_table,
@@ -380,15 +381,13 @@ class StoreBench:
     def __init__(self, config: StoreBenchConfig, progress: IO[str] | None = None) -> None:
         config.check()
         self.config = config
-        self.progress = progress
+        self.progress = Progress("hixl bench store", progress)
         self._stack = contextlib.ExitStack()
         self.sides: list[Side] = []
         self.mooncake_info: dict[str, Any] = {"measured": False, "reason": ""}
         self.cells: list[dict[str, Any]] = []
         self.prefix = f"hixl-store-bench-{uuid.uuid4().hex[:8]}"
         self._serial = 0
-        self._step = 0
-        self._steps = 0
 
     # ---- set-up and tear-down
 
@@ -401,6 +400,7 @@ class StoreBench:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.progress.close()
         self._stack.close()
 
     def _open(self) -> None:
@@ -508,25 +508,18 @@ class StoreBench:
     # ---- progress
 
     def _note(self, text: str) -> None:
-        if self.progress is None:
-            return
-        step = f"[{self._step}/{self._steps}] " if self._steps else ""
-        self.progress.write(f"\rhixl bench store {step}{text}"[:100].ljust(100))
-        self.progress.flush()
+        self.progress.note(text)
 
     # ---- the run
 
     def run(self) -> dict[str, Any]:
         config = self.config
-        self._steps = len(config.sizes) * len(OPS)
+        self.progress.start(len(config.sizes) * len(OPS))
         for size in config.sizes:
             for op in OPS:
-                self._step += 1
-                self._note(f"{op} {human_size(size)}")
+                self.progress.advance(f"{op} {human_size(size)}")
                 self._cell(op, size)
-        if self.progress is not None:
-            self.progress.write("\r" + " " * 100 + "\r")
-            self.progress.flush()
+        self.progress.close()
         return {
             "version": 1,
             "kind": "store",

@@ -8,6 +8,7 @@ positive, and the bytes were verified.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -245,3 +246,24 @@ def test_batches_are_capped_by_call_size() -> None:
     assert bench.sample_windows(4096, 1) == [(0, 4096)]
     assert bench.sample_windows(1 << 20, 3) == [(0, 262144), (786432, 262144),
                                                 (2097152, 262144), (2883584, 262144)]
+
+
+def test_progress_bar_counts_every_cell_to_the_end() -> None:
+    """--progress draws a bar that reaches total/total, naming the cell under way."""
+    import io
+
+    stream = io.StringIO()
+    args = ["--paths", "fabric", "--ops", "write", "--modes", "sync", "--sizes", "4K",
+            "--batch", "1,2", "--seconds", "0.02", "--warmup", "0", "--no-hixl-style",
+            "--mooncake", "off"]
+    report = bench.run_bench(cli.bench_config(cli.build_parser().parse_args(["bench", *args])),
+                             stream)
+    frames = stream.getvalue().replace("\r", "\n")
+    counts = [(int(n), int(total)) for n, total in re.findall(r" (\d+)/(\d+) \[", frames)]
+    totals = {total for _, total in counts}
+    assert len(totals) == 1, counts  # known once the run starts, then fixed
+    [total] = totals
+    done = [n for n, _ in counts]
+    assert done == sorted(done) and done[-1] == total >= len(report["cells"]), counts
+    assert "0/?" in frames and "starting hixl-agent" in frames
+    assert "fabric write sync 4K x2" in frames, frames[-800:]
