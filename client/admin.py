@@ -26,6 +26,7 @@ from hixl.registry_client import EngineInfo, RegistryClient
 from hixl.server.config import DEFAULT_GRPC_PORT
 from hixl.store_client import KeyInfo, MasterClient, MasterRpcError
 from hixl.store_codes import ErrorCode
+from hixl.tls import TlsSetting
 from hixl.types import Perm, SegmentInfo
 
 DEFAULT_AGENT = f"127.0.0.1:{DEFAULT_GRPC_PORT}"
@@ -43,6 +44,8 @@ def explain(exc: BaseException, role: str, target: str, timeout: float) -> str:
         reason = "authentication refused (wrong or missing cluster token)"
     elif isinstance(exc, TransferTimeout) or "deadline" in str(exc).lower():
         reason = f"no answer within {timeout:g} s"
+    elif isinstance(exc, PeerUnavailable) and "TLS" in str(exc):
+        reason = "connection failed (TLS)"  # the detail says which side lacks what
     elif isinstance(exc, PeerUnavailable):
         reason = "unreachable (nothing serving there?)"
     elif isinstance(exc, Unsupported) or "UNIMPLEMENTED" in str(exc):
@@ -68,20 +71,21 @@ def _segment_row(seg: SegmentInfo, data: str) -> dict[str, Any]:
     return {"engine": seg.engine, "node_id": seg.node_id, "segment_id": seg.segment_id,
             "name": seg.name, "base": seg.base, "length": seg.length,
             "perms": perms_text(seg.perms), "epoch": seg.epoch, "shareable": seg.shareable,
-            "data": data}
+            "allowed_engines": list(seg.allowed_engines), "data": data}
 
 
 # ---------------------------------------------------------------- status
 
 
-def agent_status(target: str, *, token: bytes | None, timeout: float) -> dict[str, Any]:
+def agent_status(target: str, *, token: bytes | None, timeout: float,
+                 tls: TlsSetting = None) -> dict[str, Any]:
     """Health and counters of one agent: {"endpoint", "ok", "problems", "health", "counters"}.
 
     `ok` is False (with `problems`) when it cannot be asked, or cannot publish its table.
     """
     report: dict[str, Any] = {"endpoint": target, "ok": False, "problems": []}
     try:
-        with AgentClient(target, timeout=timeout, cluster_token=token) as client:
+        with AgentClient(target, timeout=timeout, cluster_token=token, tls=tls) as client:
             report["health"] = client.health()
             report["counters"] = client.stats()
     except HixlError as exc:
@@ -99,13 +103,14 @@ def agent_status(target: str, *, token: bytes | None, timeout: float) -> dict[st
     return report
 
 
-def master_status(target: str, *, token: bytes | None, timeout: float) -> dict[str, Any]:
+def master_status(target: str, *, token: bytes | None, timeout: float,
+                  tls: TlsSetting = None) -> dict[str, Any]:
     """The master's registry (engines, segments) and store (mounted segments, capacity,
     used, objects, clients): {"endpoint", "ok", "problems", "registry", "store"}."""
     report: dict[str, Any] = {"endpoint": target, "ok": False, "problems": [],
                               "registry": None, "store": None}
     try:
-        engines, segments = _registry_table(target, token, timeout)
+        engines, segments = _registry_table(target, token, timeout, tls)
     except HixlError as exc:
         report["problems"].append(explain(exc, "master", target, timeout))
         if isinstance(exc, PeerUnavailable | TransferTimeout | AuthenticationFailed):
@@ -122,7 +127,7 @@ def master_status(target: str, *, token: bytes | None, timeout: float) -> dict[s
                         for e in engines],
             "segments": len(segments), "bytes": sum(s.length for s in segments)}
     try:
-        with MasterClient(target, timeout=timeout, cluster_token=token) as master:
+        with MasterClient(target, timeout=timeout, cluster_token=token, tls=tls) as master:
             stats = master.stats()
             mounted = master.list_segments()
     except MasterRpcError as exc:
@@ -143,25 +148,26 @@ def master_status(target: str, *, token: bytes | None, timeout: float) -> dict[s
 
 
 def status(agent: str | None, master: str | None, *, token: bytes | None,
-           timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+           timeout: float = DEFAULT_TIMEOUT_S, tls: TlsSetting = None) -> dict[str, Any]:
     """{"ok", "agent", "master"}: each endpoint asked, or None.
 
     With `master` None, an agent that publishes to a master leads to that master too.
     """
-    agent_report = agent_status(agent, token=token, timeout=timeout) if agent else None
+    agent_report = agent_status(agent, token=token, timeout=timeout, tls=tls) if agent else None
     if master is None and agent_report is not None and agent_report.get("health"):
         registry = agent_report["health"]["registry"]
         if registry["mode"] == "master" and registry["target"]:
             master = registry["target"]
-    master_report = master_status(master, token=token, timeout=timeout) if master else None
+    master_report = (master_status(master, token=token, timeout=timeout, tls=tls)
+                     if master else None)
     reports = [r for r in (agent_report, master_report) if r is not None]
     return {"ok": all(r["ok"] for r in reports), "agent": agent_report,
             "master": master_report}
 
 
-def _registry_table(target: str, token: bytes | None, timeout: float,
+def _registry_table(target: str, token: bytes | None, timeout: float, tls: TlsSetting = None,
                     ) -> tuple[list[EngineInfo], list[SegmentInfo]]:
-    with RegistryClient(target, timeout=timeout, cluster_token=token) as registry:
+    with RegistryClient(target, timeout=timeout, cluster_token=token, tls=tls) as registry:
         return registry.query_engines(), registry.query()
 
 
@@ -170,17 +176,17 @@ def _registry_table(target: str, token: bytes | None, timeout: float,
 
 def segments(*, master: str | None = None, agent: str | None = None,
              node: str | None = None, token: bytes | None,
-             timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+             timeout: float = DEFAULT_TIMEOUT_S, tls: TlsSetting = None) -> dict[str, Any]:
     """The global table, from `master`'s registry or `agent`'s embedded one (an agent that
     publishes to a master gives its own segments): {"source", "segments": [...]}, sorted
     by engine and base, only node `node`'s when given."""
     if master:
         source, rows = f"registry of master {master}", _registry_rows("master", master, token,
-                                                                      timeout)
+                                                                      timeout, tls)
     else:
         target = agent or DEFAULT_AGENT
         try:
-            with AgentClient(target, timeout=timeout, cluster_token=token) as client:
+            with AgentClient(target, timeout=timeout, cluster_token=token, tls=tls) as client:
                 mode = client.health()["registry"]["mode"]
                 if mode == "embedded":
                     rows = None
@@ -191,7 +197,7 @@ def segments(*, master: str | None = None, agent: str | None = None,
             raise _failure(exc, "agent", target, timeout) from None
         if rows is None:
             source, rows = (f"embedded registry of agent {target}",
-                            _registry_rows("agent", target, token, timeout))
+                            _registry_rows("agent", target, token, timeout, tls))
         else:
             source = f"agent {target} (its own segments; it publishes to a master)"
     if node is not None:
@@ -201,9 +207,9 @@ def segments(*, master: str | None = None, agent: str | None = None,
 
 
 def _registry_rows(role: str, target: str, token: bytes | None, timeout: float,
-                   ) -> list[dict[str, Any]]:
+                   tls: TlsSetting = None) -> list[dict[str, Any]]:
     try:
-        engines, table = _registry_table(target, token, timeout)
+        engines, table = _registry_table(target, token, timeout, tls)
     except HixlError as exc:
         raise _failure(exc, role, target, timeout) from None
     data = {e.engine: e.endpoints.data_tcp for e in engines}
@@ -214,12 +220,13 @@ def _registry_rows(role: str, target: str, token: bytes | None, timeout: float,
 
 
 def keys(master: str, pattern: str = "", *, limit: int = DEFAULT_KEY_LIMIT,
-         token: bytes | None, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+         token: bytes | None, timeout: float = DEFAULT_TIMEOUT_S,
+         tls: TlsSetting = None) -> dict[str, Any]:
     """Store objects whose key `pattern` (a Python regex, searched anywhere) matches:
     {"pattern", "total", "truncated", "keys": [...]}. The master checks the pattern: a bad
     one is ParamInvalid, with the master's reason."""
     try:
-        with MasterClient(master, timeout=timeout, cluster_token=token) as client:
+        with MasterClient(master, timeout=timeout, cluster_token=token, tls=tls) as client:
             listing = client.list_keys(pattern, limit, timeout=timeout)
     except MasterRpcError as exc:
         raise _failure(exc, "master", master, timeout) from None
@@ -365,11 +372,13 @@ def format_segments(listing: dict[str, Any]) -> str:
     if not rows:
         return header
     table = format_table(
-        ["engine", "node", "id", "name", "base", "length", "perms", "epoch", "data"],
+        ["engine", "node", "id", "name", "base", "length", "perms", "allowed", "epoch",
+         "data"],
         [[r["engine"], r["node_id"], str(r["segment_id"]), r["name"] or "-",
-          f"{r['base']:#x}", _size(r["length"]), r["perms"], str(r["epoch"]),
-          r["data"] or "-"] for r in rows],
-        left=(0, 1, 3, 6, 8))
+          f"{r['base']:#x}", _size(r["length"]), r["perms"],
+          ",".join(r["allowed_engines"]) or "all", str(r["epoch"]), r["data"] or "-"]
+         for r in rows],
+        left=(0, 1, 3, 6, 7, 9))
     return f"{header}\n{table}"
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from hixl.auth import as_token
-from hixl.control import authenticated_channel, error_class, error_from_rpc, segment_from_pb
+from hixl.control import error_class, error_from_rpc, open_channel, segment_from_pb
 from hixl.errors import (
     HixlError,
     NotConnected,
@@ -34,7 +34,8 @@ from hixl.errors import (
     TransferTimeout,
     error_for_status,
 )
-from hixl.types import Perm, SegmentInfo
+from hixl.tls import TlsSetting
+from hixl.types import Perm, SegmentInfo, check_allowed_engines
 from hixl.v1 import agent_pb2, agent_pb2_grpc
 
 PROTOCOL_VERSION = 1
@@ -67,18 +68,19 @@ class AgentClient:
     """Blocking client of one agent's Agent service.
 
     With a `cluster_token`, every call proves it (hixl.auth); an agent that has a token
-    refuses calls without it with AuthenticationFailed.
+    refuses calls without it with AuthenticationFailed. `tls`: a hixl.tls.ClientTLS to
+    dial with TLS, False for plaintext, None as HIXL_TLS_CA_FILE (and friends) say.
     """
 
     def __init__(self, target: str, *, timeout: float = 5.0,
-                 cluster_token: str | bytes | None = None) -> None:
+                 cluster_token: str | bytes | None = None, tls: TlsSetting = None) -> None:
         if not timeout or timeout <= 0:
             raise ParamInvalid(f"agent client timeout must be positive, got {timeout}")
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = agent_pb2_grpc.AgentStub(
-            authenticated_channel(self._channel, as_token(cluster_token)))
+        self._channel, channel = open_channel(target, token=as_token(cluster_token), tls=tls,
+                                              options=CHANNEL_OPTIONS)
+        self._stub = agent_pb2_grpc.AgentStub(channel)
 
     def _call(self, method: str, request: Any, what: str, timeout: float | None) -> Any:
         try:
@@ -102,24 +104,28 @@ class AgentClient:
         return reply.epoch, [segment_from_pb(s) for s in reply.segments]
 
     def allocate(self, size: int, perms: Perm = Perm.RW, name: str = "", owner: str = "",
-                 timeout: float | None = None) -> SegmentInfo:
-        """A new shm segment in the agent's pool (it stays until deregistered)."""
+                 timeout: float | None = None, *, allowed_engines: Any = ()) -> SegmentInfo:
+        """A new shm segment in the agent's pool (it stays until deregistered);
+        `allowed_engines`: the engines that may reach it (empty: every engine)."""
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ParamInvalid(f"allocate: size must be a positive integer, got {size!r}")
         reply = self._call("AllocateSegment", agent_pb2.AllocateSegmentRequest(
-            size=size, perms=int(_perm(perms)), name=name, owner=owner),
+            size=size, perms=int(_perm(perms)), name=name, owner=owner,
+            allowed_engines=check_allowed_engines(allowed_engines)),
             f"allocate {size} bytes", timeout)
         return segment_from_pb(reply.segment)
 
     def register_fd(self, fd: int, length: int, fd_socket: str, perms: Perm = Perm.RW,
-                    name: str = "", owner: str = "", timeout: float | None = None
-                    ) -> SegmentInfo:
-        """Have the agent serve the memfd `fd` (deposited over `fd_socket`, then registered)."""
+                    name: str = "", owner: str = "", timeout: float | None = None, *,
+                    allowed_engines: Any = ()) -> SegmentInfo:
+        """Have the agent serve the memfd `fd` (deposited over `fd_socket`, then registered);
+        `allowed_engines`: the engines that may reach it (empty: every engine)."""
+        allowed = check_allowed_engines(allowed_engines)  # before the fd is deposited
         with FdClient(fd_socket, timeout=self.timeout if timeout is None else timeout) as fdc:
             ticket = fdc.deposit(fd, length)
         reply = self._call("RegisterSegment", agent_pb2.RegisterSegmentRequest(
-            fd_ticket=ticket, length=length, perms=int(_perm(perms)), name=name, owner=owner),
-            f"register {length} bytes", timeout)
+            fd_ticket=ticket, length=length, perms=int(_perm(perms)), name=name, owner=owner,
+            allowed_engines=allowed), f"register {length} bytes", timeout)
         return segment_from_pb(reply.segment)
 
     def deregister(self, segment_id: int, epoch: int, timeout: float | None = None) -> None:
@@ -217,13 +223,18 @@ _HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
 
 
 class FdClient:
-    """One SOCK_SEQPACKET connection to an agent's fd socket (thread-safe)."""
+    """One SOCK_SEQPACKET connection to an agent's fd socket (thread-safe).
 
-    def __init__(self, path: str, *, timeout: float = 5.0) -> None:
+    `engine`: the name of the engine asking, sent with each fd request (a segment with an
+    allow-list hands its fd only to the engines it names).
+    """
+
+    def __init__(self, path: str, *, timeout: float = 5.0, engine: str = "") -> None:
         if not timeout or timeout <= 0:
             raise ParamInvalid(f"fd client timeout must be positive, got {timeout}")
         self.path = path
         self.timeout = timeout
+        self.engine = engine
         self._lock = threading.Lock()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         # Kernel-level timeouts keep the socket in blocking mode, so alive()'s MSG_DONTWAIT
@@ -258,12 +269,13 @@ class FdClient:
     def fetch(self, segment_id: int, epoch: int, writable: bool) -> tuple[int, int]:
         """(fd, length) of a segment to map; the caller closes the fd.
 
-        A read-only request gets an O_RDONLY fd; a write request on a read-only segment
-        raises PermissionDenied; unknown segments ParamInvalid; stale epochs StaleEpoch.
+        A read-only request gets an O_RDONLY fd; a write request on a read-only segment,
+        or one from an engine the segment's allow-list does not name, raises
+        PermissionDenied; unknown segments ParamInvalid; stale epochs StaleEpoch.
         """
         reply, fds = self._request(
-            {"op": "get_fd", "segment_id": segment_id, "epoch": epoch, "write": bool(writable)},
-            f"fetch fd of segment {segment_id}")
+            {"op": "get_fd", "segment_id": segment_id, "epoch": epoch, "write": bool(writable),
+             "engine": self.engine}, f"fetch fd of segment {segment_id}")
         if len(fds) != 1 or not isinstance(reply.get("length"), int):
             for fd in fds:
                 os.close(fd)

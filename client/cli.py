@@ -1,6 +1,6 @@
 """`hixl`: the user's command line. Subcommands: `bench`, `bench-registry`, `bench-store`
-(also spelled `hixl bench store`), and the operator queries `status`, `segments`, `keys`
-(hixl.client.admin).
+(also spelled `hixl bench store`), the operator queries `status`, `segments`, `keys`
+(hixl.client.admin), and `soak` (hixl.client.soak: random calls under random kills).
 
 Each subcommand is one `add_<name>(subparsers)` function that declares its flags and sets
 `handler`; `main()` parses and dispatches, turning expected failures into an error line
@@ -13,10 +13,13 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hixl.client import bench
 from hixl.errors import ConfigError, HixlError
+
+if TYPE_CHECKING:
+    from hixl.tls import TlsSetting
 
 EXIT_FAILED = 1  # the command ran and failed (wrong bytes, missed targets with --check-targets)
 EXIT_USAGE = 2  # argparse's own status for bad flags
@@ -344,6 +347,14 @@ def _admin_flags(p: argparse.ArgumentParser, *, json_help: str) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help="cluster token file (default: $HIXL_CLUSTER_TOKEN or "
                         "$HIXL_CLUSTER_TOKEN_FILE; none: no authentication)")
+    p.add_argument("--tls-ca-file", metavar="PATH",
+                   help="dial with TLS, trusting this CA (default: $HIXL_TLS_CA_FILE; "
+                        "none: plaintext)")
+    p.add_argument("--tls-cert-file", metavar="PATH",
+                   help="client certificate for servers that require one (mutual TLS), "
+                        "with --tls-key-file (default: $HIXL_TLS_CERT_FILE)")
+    p.add_argument("--tls-key-file", metavar="PATH",
+                   help="private key of --tls-cert-file (default: $HIXL_TLS_KEY_FILE)")
     p.add_argument("--timeout", type=_positive_float, default=admin.DEFAULT_TIMEOUT_S,
                    help=f"deadline of every call in seconds (default {admin.DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--json", action="store_true", help=json_help)
@@ -353,6 +364,19 @@ def _token(args: argparse.Namespace) -> bytes | None:
     from hixl.auth import load_token
 
     return load_token(args.token_file or None)
+
+
+def _tls(args: argparse.Namespace) -> TlsSetting:
+    """The ClientTLS the flags (else HIXL_TLS_*) describe, or False for plaintext."""
+    from hixl.tls import ClientTLS
+
+    tls = ClientTLS.from_settings(args.tls_ca_file or "", args.tls_cert_file or "",
+                                  args.tls_key_file or "",
+                                  keys=("--tls-ca-file", "--tls-cert-file", "--tls-key-file"))
+    if tls is None and (args.tls_cert_file or args.tls_key_file):
+        raise ConfigError("--tls-cert-file/--tls-key-file need a CA: --tls-ca-file or "
+                          "$HIXL_TLS_CA_FILE")
+    return tls or False
 
 
 def add_status(subparsers: Any) -> None:
@@ -377,7 +401,8 @@ def run_status_command(args: argparse.Namespace) -> int:
     from hixl.client import admin
 
     agent = args.agent or (None if args.master else admin.DEFAULT_AGENT)
-    report = admin.status(agent, args.master, token=_token(args), timeout=args.timeout)
+    report = admin.status(agent, args.master, token=_token(args), timeout=args.timeout,
+                          tls=_tls(args))
     print(json.dumps(report, indent=2) if args.json else admin.format_status(report),
           flush=True)
     for endpoint in (report["agent"], report["master"]):
@@ -409,7 +434,7 @@ def run_segments_command(args: argparse.Namespace) -> int:
     from hixl.client import admin
 
     listing = admin.segments(master=args.master, agent=args.agent, node=args.node,
-                             token=_token(args), timeout=args.timeout)
+                             token=_token(args), timeout=args.timeout, tls=_tls(args))
     print(json.dumps(listing, indent=2) if args.json else admin.format_segments(listing),
           flush=True)
     return 0
@@ -439,13 +464,95 @@ def run_keys_command(args: argparse.Namespace) -> int:
     from hixl.client import admin
 
     listing = admin.keys(args.master, args.pattern, limit=args.limit, token=_token(args),
-                         timeout=args.timeout)
+                         timeout=args.timeout, tls=_tls(args))
     print(json.dumps(listing, indent=2) if args.json else admin.format_keys(listing),
           flush=True)
     if listing["truncated"]:
         print(f"hixl keys: truncated: {listing['total']} keys match, {len(listing['keys'])} "
               "listed", file=sys.stderr)
     return 0
+
+
+# ---------------------------------------------------------------- soak
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
+    return value
+
+
+def _host_port_list(text: str) -> tuple[str, ...]:
+    return tuple(_host_port(part.strip()) for part in text.split(",") if part.strip())
+
+
+def add_soak(subparsers: Any) -> None:
+    from hixl.client.soak import SoakConfig
+
+    defaults = SoakConfig()
+    p = subparsers.add_parser(
+        "soak", help="a bounded run of random PUT/GET and store calls under random kills",
+        description="Start a hixl-master (journal on, in a temporary dir), AGENTS agents and "
+                    "CLIENTS client processes doing random engine PUT/GET and store "
+                    "put/get/remove, each checking every byte it reads against what it "
+                    "wrote; kill and restart an agent or the master every ~KILL_EVERY s. "
+                    "At the end, with the faults stopped, every client verifies what it "
+                    "believes is stored. Prints operations, failures by code, faults, corrupt "
+                    "reads, hung calls and lost keys; exit status 1 if any of the last three "
+                    "is not 0 (or a client died).")
+    p.add_argument("--clients", type=_positive_int, default=defaults.clients,
+                   help=f"client processes (default {defaults.clients})")
+    p.add_argument("--seconds", type=_positive_float, default=defaults.seconds,
+                   help=f"length of the run under load (default {defaults.seconds:g}); with "
+                        "faults it goes on until an agent and the master were both killed")
+    p.add_argument("--agents", type=_positive_int, default=defaults.agents,
+                   help=f"hixl-agent processes (default {defaults.agents})")
+    p.add_argument("--kill-every", type=_non_negative_float, default=defaults.kill_every,
+                   help="mean seconds between kills (an agent or the master, alternately, "
+                        f"each restarted on its ports); 0 = no faults (default "
+                        f"{defaults.kill_every:g})")
+    p.add_argument("--seed", type=int, default=defaults.seed,
+                   help=f"seed of the clients' calls and of the faults (default {defaults.seed})")
+    p.add_argument("--value-sizes", type=_size_list, default=defaults.value_sizes,
+                   help="sizes of values and engine ops, picked at random (default 1K,64K,1M)")
+    p.add_argument("--keys", type=_positive_int, default=defaults.keys,
+                   help=f"store keys per client (default {defaults.keys})")
+    p.add_argument("--call-timeout", type=_positive_float, default=defaults.call_timeout,
+                   help="deadline of each transfer, master call and connect in seconds "
+                        f"(default {defaults.call_timeout:g}); a call running past its "
+                        "deadline plus --grace is a hung call")
+    p.add_argument("--grace", type=_positive_float, default=defaults.grace,
+                   help=f"seconds past a call's deadline before it counts as hung (default "
+                        f"{defaults.grace:g})")
+    p.add_argument("--master", metavar="HOST:PORT", type=_host_port,
+                   help="soak this running hixl-master (with --agent, and --kill-every 0)")
+    p.add_argument("--agent", metavar="HOST:PORT[,...]", type=_host_port_list, default=(),
+                   help="soak these running agents (with --master, and --kill-every 0)")
+    p.add_argument("--json", metavar="FILE",
+                   help="also write the report as JSON to FILE ('-' = stdout; the table then "
+                        "goes to stderr)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the work dir (every process's log, the master's data) even when "
+                        "the run passes (a failed run always keeps it)")
+    p.add_argument("--progress", action="store_true", help="say what it does on stderr")
+    p.set_defaults(handler=run_soak_command)
+
+
+def run_soak_command(args: argparse.Namespace) -> int:
+    from hixl.client import soak
+
+    config = soak.SoakConfig(
+        clients=args.clients, seconds=args.seconds, agents=args.agents,
+        kill_every=args.kill_every, seed=args.seed, value_sizes=args.value_sizes,
+        keys=args.keys, call_timeout=args.call_timeout, grace=args.grace,
+        master=args.master or "", agent_targets=args.agent, keep_logs=args.keep_logs)
+    report = soak.run_soak(config, sys.stderr if args.progress else None)
+    _emit(soak.format_soak_report(report), report, args.json)
+    return 0 if report["ok"] else EXIT_FAILED
 
 
 # ---------------------------------------------------------------- entry point
@@ -455,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hixl", description="hixl command-line tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in (add_bench, add_bench_registry, add_bench_store, add_status, add_segments,
-                add_keys):
+                add_keys, add_soak):
         add(subparsers)
     return parser
 

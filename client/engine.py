@@ -25,7 +25,7 @@ from collections.abc import Mapping as MappingABC
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hixl.auth import as_token, load_token
 from hixl.errors import (
@@ -53,10 +53,19 @@ from hixl.metrics import (
 )
 from hixl.options import EngineOptions
 from hixl.table import MAX_ADDRESS, AddressTable, check_range
+from hixl.tls import ClientTLS, TlsSetting, client_tls
 from hixl.transports.base import Item, Transport
 from hixl.transports.fabric import FabricTransport
 from hixl.transports.tcp import SocketTransport
-from hixl.types import MemType, Perm, SegmentInfo, TransferOp, TransferOpDesc, TransferStatus
+from hixl.types import (
+    MemType,
+    Perm,
+    SegmentInfo,
+    TransferOp,
+    TransferOpDesc,
+    TransferStatus,
+    check_allowed_engines,
+)
 
 log = logging.getLogger("hixl.engine")
 
@@ -216,13 +225,23 @@ class Engine:
 
     def __init__(self, local_engine: str, options: MappingABC[str, str] | None = None, *,
                  agent_config: Any | None = None, registry: str | None = None,
-                 cluster_token: str | bytes | None = None) -> None:
+                 cluster_token: str | bytes | None = None, tls: TlsSetting = None) -> None:
         """`cluster_token`: proves this engine to agents that require one (and is required
         by its embedded agent); None takes agent_config.cluster_token_file, else
-        $HIXL_CLUSTER_TOKEN or the file $HIXL_CLUSTER_TOKEN_FILE names, else none."""
+        $HIXL_CLUSTER_TOKEN or the file $HIXL_CLUSTER_TOKEN_FILE names, else none.
+
+        `tls`: how this engine dials agents and the registry over gRPC (hixl.tls):
+        a ClientTLS, False for plaintext, None for agent_config's tls_* keys, else the
+        HIXL_TLS_* environment (a CA there: TLS). The embedded agent serves TLS per its
+        config (tls_cert_file/tls_key_file, else $HIXL_TLS_CERT_FILE/$HIXL_TLS_KEY_FILE).
+        The data path is not encrypted."""
         self.options = EngineOptions.parse(options)
         self._cluster_token = as_token(cluster_token) if cluster_token is not None else \
             load_token(getattr(agent_config, "cluster_token_file", "") or None)
+        if tls is None and agent_config is not None:
+            self._tls: ClientTLS | Literal[False] = agent_config.client_tls() or False
+        else:
+            self._tls = client_tls(tls) or False  # resolved once: every peer dials alike
         self.host, self.port = parse_engine_name(local_engine)
         self.name = local_engine
         self.registry = registry if registry is not None else os.environ.get(REGISTRY_ENV) or None
@@ -231,6 +250,7 @@ class Engine:
         self._local_hint: tuple[int, int, bool] = (0, 0, False)  # region the last transfer used
         self._handles: dict[tuple[int, int], MemHandle] = {}
         self._malloced: dict[int, ShmSegment] = {}
+        self._malloc_allowed: dict[int, tuple[str, ...]] = {}  # malloc(allowed_engines=)
         self._peers: dict[str, _Peer] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
         self._lock = threading.RLock()
@@ -244,7 +264,8 @@ class Engine:
         if self.registry:
             from hixl.client.global_table import GlobalTable
 
-            self._global = GlobalTable(self.registry, cluster_token=self._cluster_token)
+            self._global = GlobalTable(self.registry, cluster_token=self._cluster_token,
+                                       tls=self._tls)
         try:
             if self.port > 0 or agent_config is not None:
                 self._server = self._start_embedded_agent(agent_config)
@@ -312,15 +333,23 @@ class Engine:
 
     # ------------------------------------------------------------------ memory
 
-    def malloc(self, size: int, mem_type: MemType = MemType.MEM_HOST) -> ShmSegment:
-        """Host memory that same-node peers can map (shm-backed, pre-faulted)."""
+    def malloc(self, size: int, mem_type: MemType = MemType.MEM_HOST, *,
+               allowed_engines: Sequence[str] = ()) -> ShmSegment:
+        """Host memory that same-node peers can map (shm-backed, pre-faulted).
+
+        `allowed_engines`: the engines that may reach it once registered (what
+        `register(segment)` applies unless given its own list); empty: every engine.
+        """
         self._check_open()
         if MemType(mem_type) != MemType.MEM_HOST:
             raise Unsupported("malloc of MEM_DEVICE memory needs an accelerator backend; "
                               "this engine allocates host memory (MEM_HOST)")
+        allowed = check_allowed_engines(allowed_engines)
         segment = ShmSegment(size, name=f"hixl-{os.getpid()}")
         with self._lock:
             self._malloced[segment.addr] = segment
+            if allowed:
+                self._malloc_allowed[segment.addr] = allowed
         return segment
 
     def free(self, addr: int | ShmSegment) -> None:
@@ -334,6 +363,7 @@ class Engine:
             if hit is not None and hit[2].registered:
                 raise ParamInvalid(f"memory at {key:#x} is still registered; deregister it first")
             del self._malloced[key]
+            self._malloc_allowed.pop(key, None)
         try:
             segment.close()
         except BufferError:
@@ -341,13 +371,16 @@ class Engine:
 
     def register(self, memory: Any, length: int | None = None, *,
                  mem_type: MemType = MemType.MEM_HOST, perms: Perm | str = Perm.RW,
-                 name: str = "") -> MemHandle:
+                 name: str = "", allowed_engines: Sequence[str] | None = None) -> MemHandle:
         """Register local memory: a buffer object, or a raw address with `length`.
 
         Registering the same (addr, length) again returns the same handle (as in HIXL);
-        a range overlapping another registration is refused.
+        a range overlapping another registration is refused. `allowed_engines`: the
+        engines that may reach it through this engine's embedded agent, on every path
+        (empty: every engine; None: malloc's list for its memory, else every engine).
         """
         self._check_open()
+        allowed = None if allowed_engines is None else check_allowed_engines(allowed_engines)
         try:
             mem_type = MemType(mem_type)
         except ValueError:
@@ -380,8 +413,11 @@ class Engine:
                 if self._server is not None:
                     if buf.readonly:
                         perms &= ~Perm.WRITE
+                    if allowed is None:
+                        allowed = self._malloc_allowed.get(shm.addr, ()) if shm else ()
                     handle.segment = self._server.agent.register_memory(
-                        buf.addr, buf.length, perms, name, self.name, buf.keepalive, shm)
+                        buf.addr, buf.length, perms, name, self.name, buf.keepalive, shm,
+                        allowed_engines=allowed)
             except BaseException:
                 self._local.remove(buf.addr)
                 raise
@@ -444,7 +480,8 @@ class Engine:
 
         if timeout <= 0:
             raise ParamInvalid(f"timeout must be positive, got {timeout}")
-        client = AgentClient(remote, timeout=timeout, cluster_token=self._cluster_token)  # no RPC until used
+        client = AgentClient(remote, timeout=timeout, cluster_token=self._cluster_token,
+                             tls=self._tls)  # no RPC until used
         view = self._registry_view(remote, timeout)
         if view is not None:
             info = _agent_info(view)
@@ -488,7 +525,7 @@ class Engine:
                 local_node is not None and local_node != info.node_id):
             return None
         try:
-            fd_client = FdClient(info.fd_socket, timeout=timeout)
+            fd_client = FdClient(info.fd_socket, timeout=timeout, engine=self.name)
         except HixlError as exc:
             log.info("same-node paths to %s unavailable (%s); using TCP", remote, exc)
             return None
@@ -680,16 +717,32 @@ class Engine:
         return peer.socket_address.partition("://")[0]
 
     def allocate(self, remote: str, size: int, perms: Perm | str = Perm.RW,
-                 name: str = "") -> SegmentInfo:
-        """Allocate a segment in a remote agent's pool (one RPC); it joins the cached table."""
+                 name: str = "", *, allowed_engines: Sequence[str] = (),
+                 wait: bool = True) -> SegmentInfo:
+        """Allocate a segment in a remote agent's pool (one RPC); it joins the cached table.
+
+        `allowed_engines`: the engines that may reach it (empty: every engine); list this
+        engine too if it is to use the segment itself. With a registry, it returns once
+        the segment is in this engine's view, so it is usable at once; if the registry
+        does not show it in time (master unreachable), it is released and TransferTimeout
+        raised. `wait=False` returns at once (a segment only its agent reads: notifies).
+        """
         peer = self._peer(remote)
         perms = Perm.parse(perms) if isinstance(perms, str) else Perm(perms)
-        segment = peer.client.allocate(size, perms, name, self.name)
+        segment = peer.client.allocate(size, perms, name, self.name,
+                                       allowed_engines=allowed_engines)
         if peer.view is not None:
             # read-your-writes: usable as soon as this returns, once the registry has it
             assert self._global is not None
-            self._global.wait_for(lambda table: segment in table.segments(remote),
-                                  peer.client.timeout)
+            if wait and not self._global.wait_for(
+                    lambda table: segment in table.segments(remote), peer.client.timeout):
+                # unusable here (a lookup of it would miss): give it back, say why
+                with contextlib.suppress(HixlError):
+                    peer.client.deregister(segment.segment_id, segment.epoch)
+                raise TransferTimeout(
+                    f"segment {segment.segment_id} allocated in {remote} did not appear in "
+                    f"the registry {self.registry} within {peer.client.timeout:g} s (is "
+                    "hixl-master reachable?); it was released again")
             return segment
         with peer.lock:
             peer.table.insert(segment.base, segment.length, segment)
@@ -827,7 +880,8 @@ class Engine:
                 if not refreshed and peer.table.lookup(remote_addr) is None:
                     self._refresh(peer)  # segments allocated since connect
                     refreshed = True
-                segment = self._remote_segment(peer, index, remote_addr, length, need)
+                segment = self._remote_segment(peer, index, remote_addr, length, need,
+                                               self.name)
                 r_base, r_end = segment.base, segment.end
                 items = fabric_items if peer.fabric is not None and segment.shareable else socket_items
             items.append(Item(index, local_addr, segment, remote_addr, length))  # type: ignore[arg-type]
@@ -846,11 +900,19 @@ class Engine:
         return base, base + handle.length, handle.readonly
 
     @staticmethod
-    def _remote_segment(peer: _Peer, index: int, addr: int, length: int, need: int) -> SegmentInfo:
+    def _remote_segment(peer: _Peer, index: int, addr: int, length: int, need: int,
+                        engine: str) -> SegmentInfo:
+        """The segment of `peer` holding the op, if `engine` may do `need` to it (its
+        allow-list is checked here, once per segment change: the owner agent enforces
+        it again, and this way a refused batch moves no byte at all)."""
         try:
             _, segment = peer.table.find(addr, length, f"op {index} remote address")
         except OutOfRange as exc:
             raise OutOfRange(f"{exc.args[0]} of {peer.name}", failed=[index]) from None
+        if segment.allowed_engines and engine not in segment.allowed_engines:
+            raise PermissionDenied(
+                f"op {index}: engine {engine!r} may not reach segment {segment.segment_id} "
+                f"of {peer.name}: it is not in the segment's allowed_engines", failed=[index])
         if not int(segment.perms) & need:
             raise PermissionDenied(
                 f"op {index}: segment {segment.segment_id} of {peer.name} is "

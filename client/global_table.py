@@ -31,6 +31,7 @@ from hixl.registry_client import (
     collector_paused,
 )
 from hixl.table import AddressTable
+from hixl.tls import TlsSetting, client_tls
 from hixl.types import SegmentInfo
 
 log = logging.getLogger("hixl.global_table")
@@ -61,8 +62,9 @@ class GlobalTable:
 
     def __init__(self, registry: str, *, timeout: float = 5.0,
                  backoff_max: float = BACKOFF_MAX_S,
-                 cluster_token: str | bytes | None = None) -> None:
-        """`cluster_token`: proves this watcher to a registry that requires one."""
+                 cluster_token: str | bytes | None = None, tls: TlsSetting = None) -> None:
+        """`cluster_token`: proves this watcher to a registry that requires one; `tls`:
+        how to dial it (hixl.tls: ClientTLS, False for plaintext, None: HIXL_TLS_*)."""
         if not isinstance(registry, str) or not registry:
             raise ParamInvalid(f"registry must be 'host:port', got {registry!r}")
         if not timeout > 0 or not backoff_max > 0:
@@ -70,6 +72,7 @@ class GlobalTable:
                                f"{backoff_max}")
         self.registry = registry
         self._token = cluster_token
+        self._tls = client_tls(tls) or False  # resolved once: every reconnect dials alike
         self._timeout = timeout
         self._backoff_max = backoff_max
         self._views: dict[str, EngineView] = {}   # replaced, never mutated: copy-on-write
@@ -185,7 +188,7 @@ class GlobalTable:
         failures = 0
         while not self._stop.is_set():
             client = RegistryClient(self.registry, timeout=self._timeout,
-                                    cluster_token=self._token)
+                                    cluster_token=self._token, tls=self._tls)
             try:
                 watch = client.open_watch(engines=True)
                 with self._watch_lock:

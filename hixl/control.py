@@ -26,8 +26,8 @@ import itertools
 import logging
 import operator
 import socket
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Literal
 
 import grpc
 
@@ -43,7 +43,12 @@ from hixl.errors import (
     TransferTimeout,
     Unsupported,
 )
-from hixl.types import MemType, Perm, SegmentInfo
+from hixl.tls import ENV_CA_FILE as ENV_TLS_CA_FILE
+from hixl.tls import ENV_CERT_FILE as ENV_TLS_CERT_FILE
+from hixl.tls import ENV_KEY_FILE as ENV_TLS_KEY_FILE
+from hixl.tls import ENV_SERVER_NAME as ENV_TLS_SERVER_NAME
+from hixl.tls import ClientTLS, ServerTLS, TlsSetting, client_tls
+from hixl.types import MemType, Perm, SegmentInfo, check_allowed_engines
 from hixl.v1 import agent_pb2
 
 log = logging.getLogger("hixl.auth")
@@ -93,7 +98,8 @@ def segment_to_pb(info: SegmentInfo) -> agent_pb2.Segment:
     return agent_pb2.Segment(
         segment_id=info.segment_id, engine=info.engine, node_id=info.node_id, base=info.base,
         length=info.length, mem_type=int(info.mem_type), perms=int(info.perms),
-        epoch=info.epoch, shareable=info.shareable, name=info.name)
+        epoch=info.epoch, shareable=info.shareable, name=info.name,
+        allowed_engines=info.allowed_engines)
 
 
 #: Wire value -> enum member, for every valid value: decoding is one dict read (calling
@@ -103,7 +109,7 @@ _PERMS: dict[int, Perm] = {bits: Perm(bits) for bits in range(int(Perm.RW) + 1)}
 
 if [f.name for f in dataclasses.fields(SegmentInfo)] != [
         "segment_id", "engine", "node_id", "base", "length", "mem_type", "perms", "epoch",
-        "shareable", "name"] or hasattr(SegmentInfo, "__post_init__"):
+        "shareable", "name", "allowed_engines"] or hasattr(SegmentInfo, "__post_init__"):
     raise TypeError("SegmentInfo changed shape: update hixl.control._segment_info")
 
 _new_object = object.__new__
@@ -112,7 +118,7 @@ _set = object.__setattr__
 
 def _segment_info(segment_id: int, engine: str, node_id: str, base: int, length: int,
                   mem_type: MemType, perms: Perm, epoch: int, shareable: bool,
-                  name: str) -> SegmentInfo:
+                  name: str, allowed_engines: tuple[str, ...] = ()) -> SegmentInfo:
     """SegmentInfo(...) for decoders, with checked fields: the very same immutable, equal,
     hashable value for ~60% of the cost (the frozen dataclass's __init__ looks up
     object.__setattr__ anew for each field), which 100k-segment snapshots feel."""
@@ -127,6 +133,7 @@ def _segment_info(segment_id: int, engine: str, node_id: str, base: int, length:
     _set(segment, "epoch", epoch)
     _set(segment, "shareable", shareable)
     _set(segment, "name", name)
+    _set(segment, "allowed_engines", allowed_engines)
     return segment
 
 
@@ -135,9 +142,12 @@ def add_segments(field: Any, segments: Iterable[SegmentInfo]) -> None:
     cost of segment_to_pb's, whose message is then copied into the field."""
     add = field.add
     for info in segments:
-        add(segment_id=info.segment_id, engine=info.engine, node_id=info.node_id,
-            base=info.base, length=info.length, mem_type=info.mem_type, perms=info.perms,
-            epoch=info.epoch, shareable=info.shareable, name=info.name)
+        pb = add(segment_id=info.segment_id, engine=info.engine, node_id=info.node_id,
+                 base=info.base, length=info.length, mem_type=info.mem_type,
+                 perms=info.perms, epoch=info.epoch, shareable=info.shareable,
+                 name=info.name)
+        if info.allowed_engines:  # rare: most segments have no allow-list
+            pb.allowed_engines.extend(info.allowed_engines)
 
 
 def segment_from_pb(pb: agent_pb2.Segment) -> SegmentInfo:
@@ -149,7 +159,16 @@ def segment_from_pb(pb: agent_pb2.Segment) -> SegmentInfo:
     if perms is None:
         raise ParamInvalid(f"segment {pb.segment_id}: unknown permission bits {pb.perms:#x}")
     return _segment_info(pb.segment_id, pb.engine, pb.node_id, pb.base, pb.length, mem_type,
-                         perms, pb.epoch, pb.shareable, pb.name)
+                         perms, pb.epoch, pb.shareable, pb.name,
+                         _allowed(pb.segment_id, pb.allowed_engines))
+
+
+def _allowed(segment_id: int, names: Iterable[str]) -> tuple[str, ...]:
+    """A decoded allow-list, checked and canonical (sorted, no duplicates): a peer's
+    published list must not differ in meaning from what its agent enforces."""
+    if not names:
+        return ()
+    return check_allowed_engines(names, f"segment {segment_id}: allowed_engines")
 
 
 _owner = operator.attrgetter("engine", "node_id", "epoch")
@@ -170,7 +189,9 @@ def segments_to_columns(segments: Iterable[SegmentInfo], chunk: int = 0,
                 segment_id=[s.segment_id for s in part], base=[s.base for s in part],
                 length=[s.length for s in part], mem_type=[s.mem_type for s in part],
                 perms=[s.perms for s in part], shareable=[s.shareable for s in part],
-                name=[s.name for s in part]))
+                name=[s.name for s in part],
+                allowed_engines=[agent_pb2.AllowList(index=i, engines=s.allowed_engines)
+                                 for i, s in enumerate(part) if s.allowed_engines]))
     return blocks
 
 
@@ -192,11 +213,18 @@ def segments_from_columns(pb: agent_pb2.SegmentColumns) -> list[SegmentInfo]:
         raise ParamInvalid(f"segment {ids[index]}: unknown permission bits "
                            f"{pb.perms[index]:#x}")
     engine, node_id, epoch = pb.engine, pb.node_id, pb.epoch
-    return [_segment_info(segment_id, engine, node_id, base, length, mem_type, perm, epoch,
-                          shareable, name)
-            for segment_id, base, length, mem_type, perm, shareable, name
-            in zip(ids, pb.base, pb.length, mem_types, perms, pb.shareable, pb.name,
-                   strict=True)]
+    segments = [_segment_info(segment_id, engine, node_id, base, length, mem_type, perm,
+                              epoch, shareable, name)
+                for segment_id, base, length, mem_type, perm, shareable, name
+                in zip(ids, pb.base, pb.length, mem_types, perms, pb.shareable, pb.name,
+                       strict=True)]
+    for acl in pb.allowed_engines:  # sparse: only segments with an allow-list
+        if acl.index >= len(segments):
+            raise ParamInvalid(f"segment columns of engine {pb.engine!r}: an allow-list for "
+                               f"segment #{acl.index} of {len(segments)}")
+        _set(segments[acl.index], "allowed_engines",
+             _allowed(ids[acl.index], acl.engines))
+    return segments
 
 
 # ---------------------------------------------------------------- errors
@@ -271,7 +299,7 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> HixlError:
             status = int(meta[STATUS_KEY])
         return cls(f"{what}: {details}", status=status)
     if code == grpc.StatusCode.UNAVAILABLE:
-        return PeerUnavailable(f"{what}: agent unavailable ({details})")
+        return PeerUnavailable(f"{what}: {_why_unavailable(details, exc)} ({details})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TransferTimeout(f"{what}: no answer before the deadline ({details})")
     if code == grpc.StatusCode.CANCELLED:
@@ -425,6 +453,15 @@ def server_interceptors(token: bytes | None) -> list[grpc.aio.ServerInterceptor]
     return interceptors
 
 
+def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
+    """Bind `address` ("host:port", only that host) on `server`, with TLS when `tls` is
+    given; returns the port bound (0 when gRPC could not bind it). What every hixl gRPC
+    server binds with; the token check is the interceptors' (server_interceptors)."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.credentials)
+
+
 class _CallDetails(
         collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
                                                 "wait_for_ready", "compression")),
@@ -435,10 +472,23 @@ class _CallDetails(
 class _ClientInterceptor(grpc.UnaryUnaryClientInterceptor,
                          grpc.UnaryStreamClientInterceptor):
     """Client side: adds `x-request-id` (the current request's, else a fresh one) and,
-    with a token, a fresh `hixl-auth` proof (new nonce, current time) to each call."""
+    with a token, a fresh `hixl-auth` proof (new nonce, current time) to each call; tags
+    each call (which is also the error it raises) with the channel's TLS settings, so
+    `error_from_rpc` can tell why a connection failed."""
 
-    def __init__(self, token: bytes | None) -> None:
+    def __init__(self, token: bytes | None, tls: ClientTLS | Literal[False] | None = None,
+                 ) -> None:
         self._token = token
+        self._tls = tls
+
+    def _tagged(self, call: Any) -> Any:
+        with contextlib.suppress(Exception):  # a call object that takes no tag: no hint
+            setattr(call, _TLS_TAG, self._tls)
+            if call.done():  # a blocking call's outcome: the error it raises may differ
+                error = call.exception()
+                if error is not None:
+                    setattr(error, _TLS_TAG, self._tls)
+        return call
 
     def _with_metadata(self, details: grpc.ClientCallDetails) -> _CallDetails:
         request_id = logs.current_request_id() or logs.new_request_id()
@@ -451,11 +501,11 @@ class _ClientInterceptor(grpc.UnaryUnaryClientInterceptor,
 
     def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
                               request: Any) -> Any:
-        return continuation(self._with_metadata(client_call_details), request)
+        return self._tagged(continuation(self._with_metadata(client_call_details), request))
 
     def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
                                request: Any) -> Any:
-        return continuation(self._with_metadata(client_call_details), request)
+        return self._tagged(continuation(self._with_metadata(client_call_details), request))
 
 
 def authenticated_channel(channel: grpc.Channel, token: bytes | None) -> grpc.Channel:
@@ -465,6 +515,60 @@ def authenticated_channel(channel: grpc.Channel, token: bytes | None) -> grpc.Ch
     wrapper's result, to release it.
     """
     return grpc.intercept_channel(channel, _ClientInterceptor(token))
+
+
+def open_channel(target: str, *, token: bytes | None = None, tls: TlsSetting = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> tuple[grpc.Channel, grpc.Channel]:
+    """(the channel, to close; the same channel for stubs, proving `token` on every call).
+
+    The one place the SDK opens gRPC channels. `tls`: ClientTLS dials with TLS, False in
+    plaintext, None as the HIXL_TLS_* environment says (a CA there: TLS; hixl.tls). A TLS
+    mismatch with the server fails the first call at once with PeerUnavailable saying
+    which side lacks what, never a hang. Unusable TLS files: ConfigError naming the file.
+    """
+    settings = client_tls(tls)
+    if settings is None:
+        channel = grpc.insecure_channel(target, options=list(options))
+    else:
+        channel = grpc.secure_channel(target, settings.credentials,
+                                      options=[*options, *settings.channel_options()])
+    interceptor = _ClientInterceptor(token, settings if settings is not None else False)
+    return channel, grpc.intercept_channel(channel, interceptor)
+
+
+#: attribute of a failed call: the ClientTLS its channel used, or False for plaintext
+_TLS_TAG = "hixl_tls"
+
+
+def _why_unavailable(details: str, exc: object) -> str:
+    """Why a connection failed, in words, when gRPC's details point at TLS (handshake
+    errors, or a server that hangs up at once on a mismatched client)."""
+    text = details.lower()
+    tls = getattr(exc, _TLS_TAG, None)
+    ca = f" ({tls.ca_file})" if isinstance(tls, ClientTLS) else ""
+    if "wrong_version_number" in text:
+        return ("TLS handshake failed: the server does not speak TLS (a plaintext server?); "
+                "dial it without a CA, or give the server tls_cert_file and tls_key_file")
+    if "certificate_verify_failed" in text:
+        return (f"TLS handshake failed: the server's certificate is not signed by the CA "
+                f"this client trusts{ca}")
+    if "hostname verification" in text or "peer name" in text:
+        return ("TLS handshake failed: the server's certificate does not name the address "
+                "dialled; give it that address as a subjectAltName, or set "
+                f"{ENV_TLS_SERVER_NAME} to a name it carries")
+    if "socket closed" in text or "connection reset" in text:
+        if tls is False:
+            return ("the server closed the connection at once: it may require TLS; give "
+                    f"this client the CA that signed its certificate ({ENV_TLS_CA_FILE})")
+        if isinstance(tls, ClientTLS):
+            presented = (f"refused the client certificate {tls.cert_file}"
+                         if tls.cert_file else "requires a client certificate")
+            return (f"the server ended the TLS handshake: it {presented} (mutual TLS: "
+                    f"{ENV_TLS_CERT_FILE} and {ENV_TLS_KEY_FILE}, a certificate signed by "
+                    "the CA it trusts)")
+    if "tls" in text or "ssl" in text:
+        return "TLS handshake failed"
+    return "unreachable"
 
 
 # ---------------------------------------------------------------- identity

@@ -96,6 +96,17 @@ class Mapping:
         self._mmap = None  # type: ignore[assignment]
 
 
+_MEMFD_LABEL_MAX = 249  # memfd_create(2): longer names are EINVAL
+
+
+def _memfd_label(name: str) -> str:
+    """`name` as a memfd label (seen only in /proc/<pid>/fd): no NUL byte, at most 249
+    bytes. Segment names come from clients; a label the kernel refuses must not fail the
+    allocation."""
+    label = name.replace("\0", "?").encode("utf-8", "replace")[:_MEMFD_LABEL_MAX]
+    return label.decode("utf-8", "ignore")
+
+
 class ShmSegment(Mapping):
     """A memfd-backed host segment owned by this process, mapped read-write once."""
 
@@ -104,7 +115,7 @@ class ShmSegment(Mapping):
             raise ParamInvalid(f"segment size must be a positive integer, got {length!r}")
         size = round_up(length)
         try:
-            fd = os.memfd_create(name, os.MFD_CLOEXEC)
+            fd = os.memfd_create(_memfd_label(name), os.MFD_CLOEXEC)
         except OSError as exc:
             raise ResourceExhausted(f"memfd_create failed: {exc}") from None
         try:

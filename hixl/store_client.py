@@ -49,15 +49,17 @@ forms are batches of one. Engine endpoints (data addresses) of the segments' own
 from __future__ import annotations
 
 import enum
+import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
+from hixl import wire
 from hixl.auth import as_token
-from hixl.control import authenticated_channel, error_from_rpc, node_identity
+from hixl.control import error_from_rpc, node_identity, open_channel
 from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid, PeerUnavailable
 from hixl.registry_client import (
     CLIENT_KEEPALIVE_OPTIONS,
@@ -67,6 +69,8 @@ from hixl.registry_client import (
     endpoints_to_pb,
 )
 from hixl.store_codes import ErrorCode
+from hixl.store_rpc import MESSAGES, CallFailed, FastPath, target_host
+from hixl.tls import TlsSetting, client_tls
 from hixl.v1 import store_pb2, store_pb2_grpc
 
 # ---------------------------------------------------------------------------- types
@@ -350,8 +354,6 @@ def key_info_from_pb(pb: store_pb2.KeyInfo) -> KeyInfo:
 
 # ---------------------------------------------------------------------------- client
 
-_Reply = TypeVar("_Reply")
-
 
 class MasterClient:
     """One method per Master RPC; per-key outcomes are ErrorCodes, failed calls raise.
@@ -360,27 +362,99 @@ class MasterClient:
     default is a fresh uuid4, i.e. one identity per process. `node_id` is this client's
     node for prefer_alloc_in_same_node (default: this host's node identity, the one
     agents publish by default).
+
+    The hot calls (puts, reads, exists, sizes, removals) go to the master's store call
+    endpoint (hixl.store_rpc) once a Heartbeat or MountSegment reply named its port (a
+    client that has seen neither asks with a Heartbeat that registers nothing), and over
+    gRPC when the master has none or it cannot be reached; `fast=False` keeps every call
+    on gRPC. Either way a call has the same deadline, errors and request id.
     """
 
     def __init__(self, target: str, *, timeout: float = 5.0,
                  cluster_token: str | bytes | None = None, client_id: str | None = None,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, fast: bool = True,
+                 tls: TlsSetting = None) -> None:
         if not timeout > 0:
             raise ParamInvalid(f"master client timeout must be positive, got {timeout}")
         self.target = target
         self.timeout = timeout
         self.client_id = client_id or uuid.uuid4().hex
         self.node_id = node_identity() if node_id is None else node_id
-        self._channel = grpc.insecure_channel(target, options=CLIENT_KEEPALIVE_OPTIONS)
-        self._stub = store_pb2_grpc.MasterStub(
-            authenticated_channel(self._channel, as_token(cluster_token)))
+        token = as_token(cluster_token)
+        settings = client_tls(tls)
+        self._channel, channel = open_channel(target, token=token, tls=settings or False,
+                                              options=CLIENT_KEEPALIVE_OPTIONS)
+        self._stub = store_pb2_grpc.MasterStub(channel)
+        # the store call endpoint is a plain socket: a client dialling with TLS keeps every
+        # call inside TLS
+        host = target_host(target) if fast and settings is None else None
+        self._fast = FastPath(host, token, self.client_id) if host is not None else None
 
-    def _call(self, method: Callable[..., _Reply], request: Any, what: str,
-              timeout: float | None) -> _Reply:
+    @property
+    def fast_calls(self) -> int:
+        """Calls answered over the store call endpoint so far (the rest went over gRPC)."""
+        return self._fast.calls if self._fast is not None else 0
+
+    @property
+    def fast_port(self) -> int | None:
+        """The store call endpoint's port as last advertised (None: not known, or none)."""
+        return (self._fast.port or None) if self._fast is not None else None
+
+    def _call(self, method: str, request: Any, what: str, timeout: float | None) -> Any:
+        """Call `method` (a Master RPC's name): over the call endpoint when it is one of
+        its methods and the endpoint is known and reachable, else over gRPC."""
+        limit = self.timeout if timeout is None else timeout
+        fast = self._fast
+        if fast is not None and method in MESSAGES:
+            deadline = time.monotonic() + limit
+            if fast.should_probe():
+                self._probe(fast, deadline)
+            reply = self._fast_call(fast, method, request, what, deadline)
+            if reply is not None:
+                return reply
+            limit = deadline - time.monotonic()
+            if limit <= 0:
+                raise MasterUnavailable(f"{what} at master {self.target}: no answer before "
+                                        "the deadline")
         try:
-            return method(request, timeout=self.timeout if timeout is None else timeout)
+            return getattr(self._stub, method)(request, timeout=limit)
         except grpc.RpcError as exc:
             raise master_error(exc, f"{what} at master {self.target}") from None
+
+    def _fast_call(self, fast: FastPath, method: str, request: Any, what: str,
+                   deadline: float) -> Any:
+        """The reply over the call endpoint, or None when it is not available now."""
+        where = f"{what} at master {self.target}"
+        try:
+            reply = fast.call(method, request.SerializeToString(), deadline)
+        except CallFailed as exc:
+            raise MasterRpcError(f"{where}: {exc.args[0]}", status=exc.status) from None
+        except AuthenticationFailed as exc:
+            raise MasterAuthenticationFailed(f"{where}: {exc.args[0]}") from None
+        except TimeoutError:
+            raise MasterUnavailable(f"{where}: no answer before the deadline") from None
+        except OSError as exc:
+            raise MasterUnavailable(f"{where}: the connection to its store call endpoint "
+                                    f"broke after the request was sent ({exc})") from None
+        except wire.ProtocolError as exc:
+            raise MasterRpcError(f"{where}: bad reply from its store call endpoint: "
+                                 f"{exc}") from None
+        return None if reply is None else MESSAGES[method][1].FromString(reply)
+
+    def _probe(self, fast: FastPath, deadline: float) -> None:
+        """Ask the master for its call endpoint's port: a Heartbeat without client id
+        registers nothing. A failure is left to the call itself (over gRPC)."""
+        try:
+            reply = self._stub.Heartbeat(store_pb2.HeartbeatRequest(client_id=""),
+                                         timeout=max(0.001, deadline - time.monotonic()))
+        except grpc.RpcError:
+            fast.unreachable()
+            return
+        fast.advertised(reply.fast_port)
+
+    def _advertised(self, port: int) -> None:
+        if self._fast is not None:
+            self._fast.advertised(port)
 
     # -- segments and liveness -------------------------------------------------------
 
@@ -388,35 +462,37 @@ class MasterClient:
                       ) -> SegmentResult:
         """Contribute `segment`; remounting the same one is idempotent (and, after a
         master restart, serves its objects again: `objects` says how many)."""
-        reply = self._call(self._stub.MountSegment, store_pb2.MountSegmentRequest(
+        reply = self._call("MountSegment", store_pb2.MountSegmentRequest(
             client_id=self.client_id, segment=store_segment_to_pb(segment)),
             f"mount of segment {segment.engine}/{segment.segment_id}", timeout)
+        self._advertised(reply.fast_port)
         return SegmentResult(reply.code, reply.message, reply.restored_objects)
 
     def unmount_segment(self, engine: str, segment_id: int, timeout: float | None = None,
                         ) -> SegmentResult:
         """Withdraw a segment: its replicas go, objects left with none are removed."""
-        reply = self._call(self._stub.UnmountSegment, store_pb2.UnmountSegmentRequest(
+        reply = self._call("UnmountSegment", store_pb2.UnmountSegmentRequest(
             client_id=self.client_id, engine=engine, segment_id=segment_id),
             f"unmount of segment {engine}/{segment_id}", timeout)
         return SegmentResult(reply.code, reply.message, reply.dropped_objects)
 
     def heartbeat(self, timeout: float | None = None) -> HeartbeatResult:
         """Keep this client (and its segments) alive; NEED_REMOUNT: mount everything again."""
-        reply = self._call(self._stub.Heartbeat,
+        reply = self._call("Heartbeat",
                            store_pb2.HeartbeatRequest(client_id=self.client_id),
                            "heartbeat", timeout)
+        self._advertised(reply.fast_port)
         return HeartbeatResult(ClientStatus(reply.status) if reply.status in (0, 1, 2)
                                else ClientStatus.UNDEFINED, reply.client_ttl_ms)
 
     def list_segments(self, timeout: float | None = None) -> list[MountedSegment]:
-        reply = self._call(self._stub.ListSegments, store_pb2.ListStoreSegmentsRequest(),
+        reply = self._call("ListSegments", store_pb2.ListStoreSegmentsRequest(),
                            "list of segments", timeout)
         return [MountedSegment(store_segment_from_pb(pb.segment), pb.client_id, pb.live,
                                pb.used) for pb in reply.segments]
 
     def stats(self, timeout: float | None = None) -> dict[str, float]:
-        reply = self._call(self._stub.Stats, store_pb2.StoreStatsRequest(), "stats", timeout)
+        reply = self._call("Stats", store_pb2.StoreStatsRequest(), "stats", timeout)
         return dict(reply.stats)
 
     # -- puts ------------------------------------------------------------------------
@@ -430,7 +506,7 @@ class MasterClient:
             config=replica_config_to_pb(config or ReplicaConfig()),
             items=[store_pb2.PutStartItem(key=key, value_length=length)
                    for key, length in items])
-        reply = self._call(self._stub.PutStart, request,
+        reply = self._call("PutStart", request,
                            f"put start of {len(items)} key(s)", timeout)
         return [PutStartResult(r.code, r.put_id, tuple(replica_from_pb(p) for p in r.replicas))
                 for r in reply.results]
@@ -443,7 +519,7 @@ class MasterClient:
     def batch_put_end(self, puts: Sequence[tuple[str, int]],
                       timeout: float | None = None) -> list[int]:
         """Commit each (key, put_id): the value becomes visible (replacing it, for upserts)."""
-        return self._put_refs(self._stub.PutEnd, puts, "put end", timeout)
+        return self._put_refs("PutEnd", puts, "put end", timeout)
 
     def put_end(self, key: str, put_id: int, timeout: float | None = None) -> int:
         return self.batch_put_end([(key, put_id)], timeout)[0]
@@ -451,13 +527,13 @@ class MasterClient:
     def batch_put_revoke(self, puts: Sequence[tuple[str, int]],
                          timeout: float | None = None) -> list[int]:
         """Abandon each (key, put_id): its space is freed, a committed value stays."""
-        return self._put_refs(self._stub.PutRevoke, puts, "put revoke", timeout)
+        return self._put_refs("PutRevoke", puts, "put revoke", timeout)
 
     def put_revoke(self, key: str, put_id: int, timeout: float | None = None) -> int:
         return self.batch_put_revoke([(key, put_id)], timeout)[0]
 
-    def _put_refs(self, method: Callable[..., store_pb2.CodesReply],
-                  puts: Sequence[tuple[str, int]], what: str, timeout: float | None,
+    def _put_refs(self, method: str, puts: Sequence[tuple[str, int]], what: str,
+                  timeout: float | None,
                   ) -> list[int]:
         request = store_pb2.PutEndRequest(
             client_id=self.client_id,
@@ -470,7 +546,7 @@ class MasterClient:
     def batch_get_replicas(self, keys: Sequence[str], timeout: float | None = None,
                            ) -> list[GetReplicasResult]:
         """Where each key's value is; grants a read lease on each one found."""
-        reply = self._call(self._stub.GetReplicas, store_pb2.KeysRequest(keys=list(keys)),
+        reply = self._call("GetReplicas", store_pb2.KeysRequest(keys=list(keys)),
                            f"get replicas of {len(keys)} key(s)", timeout)
         return [GetReplicasResult(r.code, r.size, tuple(replica_from_pb(p) for p in r.replicas),
                                   r.lease_ttl_ms) for r in reply.results]
@@ -482,7 +558,7 @@ class MasterClient:
                         ) -> list[int]:
         """OK: stored and readable; OBJECT_NOT_FOUND; REPLICA_IS_NOT_READY: stored, but
         every replica is in a segment awaiting its remount."""
-        reply = self._call(self._stub.ExistKey, store_pb2.KeysRequest(keys=list(keys)),
+        reply = self._call("ExistKey", store_pb2.KeysRequest(keys=list(keys)),
                            f"exist of {len(keys)} key(s)", timeout)
         return list(reply.codes)
 
@@ -491,7 +567,7 @@ class MasterClient:
 
     def batch_get_size(self, keys: Sequence[str], timeout: float | None = None) -> list[int]:
         """Each value's size in bytes, or a negative ErrorCode (Mooncake's get_size)."""
-        reply = self._call(self._stub.GetSize, store_pb2.KeysRequest(keys=list(keys)),
+        reply = self._call("GetSize", store_pb2.KeysRequest(keys=list(keys)),
                            f"get size of {len(keys)} key(s)", timeout)
         return list(reply.sizes)
 
@@ -504,7 +580,7 @@ class MasterClient:
                      timeout: float | None = None) -> list[int]:
         """Remove each key: OBJECT_HAS_LEASE while read-leased, unless `force` (then the
         key goes at once and its space is reused only after the lease)."""
-        reply = self._call(self._stub.Remove,
+        reply = self._call("Remove",
                            store_pb2.RemoveRequest(keys=list(keys), force=force),
                            f"remove of {len(keys)} key(s)", timeout)
         return list(reply.codes)
@@ -515,14 +591,14 @@ class MasterClient:
     def remove_by_regex(self, regex: str, force: bool = False,
                         timeout: float | None = None) -> CountResult:
         """Remove every key `regex` matches (Python `re.search`); leased ones stay unless force."""
-        reply = self._call(self._stub.RemoveByRegex,
+        reply = self._call("RemoveByRegex",
                            store_pb2.RemoveByRegexRequest(regex=regex, force=force),
                            f"remove by regex {regex!r}", timeout)
         return CountResult(reply.code, reply.count, reply.message)
 
     def remove_all(self, force: bool = False, timeout: float | None = None) -> CountResult:
         """Remove every committed key (leased ones stay unless force); puts in progress stay."""
-        reply = self._call(self._stub.RemoveAll, store_pb2.RemoveAllRequest(force=force),
+        reply = self._call("RemoveAll", store_pb2.RemoveAllRequest(force=force),
                            "remove all", timeout)
         return CountResult(reply.code, reply.count, reply.message)
 
@@ -535,7 +611,7 @@ class MasterClient:
         Takes no lease and counts as no access."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < 1 << 32:
             raise ParamInvalid(f"list_keys: limit must be an integer >= 0, got {limit!r}")
-        reply = self._call(self._stub.ListKeys,
+        reply = self._call("ListKeys",
                            store_pb2.ListKeysRequest(regex=regex, limit=limit),
                            f"list of keys matching {regex!r}", timeout)
         return KeyListing(reply.code, tuple(key_info_from_pb(k) for k in reply.keys),
@@ -544,6 +620,8 @@ class MasterClient:
     # -- lifetime --------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._fast is not None:
+            self._fast.close()
         self._channel.close()
 
     def __enter__(self) -> MasterClient:

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from hixl.errors import ParamInvalid
+
+#: limits on a segment's allow-list: engine names are "host:port" (a HELLO may name at
+#: most 4096 bytes), and the list travels with the segment in every table and snapshot
+MAX_ALLOWED_ENGINES = 256
+MAX_ENGINE_NAME = 255
 
 
 class MemType(enum.IntEnum):
@@ -96,7 +104,36 @@ class SegmentInfo:
     epoch: int
     shareable: bool
     name: str = ""
+    #: engines that may reach the segment (sorted, no duplicates); empty: every engine
+    allowed_engines: tuple[str, ...] = ()
 
     @property
     def end(self) -> int:
         return self.base + self.length
+
+
+def check_allowed_engines(value: object, what: str = "allowed_engines") -> tuple[str, ...]:
+    """A segment's allow-list in canonical form (sorted, duplicates dropped); None or an
+    empty list means every engine. ParamInvalid naming `what` for anything else: a
+    lone string (a list of its characters is never meant), empty or overlong names,
+    names with whitespace or control characters, or more than MAX_ALLOWED_ENGINES."""
+    if value is None:
+        return ()
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ParamInvalid(f"{what} must be a list of engine names, got "
+                           f"{type(value).__name__} {value!r}")
+    names = list(value)
+    if len(names) > MAX_ALLOWED_ENGINES:
+        raise ParamInvalid(f"{what} names {len(names)} engines; at most "
+                           f"{MAX_ALLOWED_ENGINES} are allowed")
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ParamInvalid(f"{what}: every entry must be a non-empty engine name "
+                               f"('host:port'), got {name!r}")
+        if len(name.encode("utf-8", "surrogatepass")) > MAX_ENGINE_NAME:
+            raise ParamInvalid(f"{what}: engine name {name[:40]!r}... is longer than "
+                               f"{MAX_ENGINE_NAME} bytes")
+        if not name.isprintable() or any(ch.isspace() for ch in name):
+            raise ParamInvalid(f"{what}: engine name {name!r} contains whitespace or "
+                               "control characters")
+    return tuple(sorted(set(names)))

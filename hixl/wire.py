@@ -6,8 +6,8 @@ memory, discard it, send a reply, or close — after checking everything before 
 moves: handshake done, known segment, live epoch, permission, bounds. The client side
 encodes requests and checks that replies match what was asked, in order (pipelining).
 
-Frame = header, then `length` payload bytes for HELLO, AUTH, WRITE and non-empty REPLY
-frames.
+Frame = header, then `length` payload bytes for HELLO, AUTH, WRITE, CALL and non-empty
+REPLY frames.
 
 Handshake: HELLO (payload: the client's name) comes first. Without a cluster token the
 reply is a plain OK carrying the agent's epoch. With one, the reply is a CHALLENGE (flag
@@ -23,6 +23,13 @@ kind, starting at `request_id` — WRITE acknowledgements (`length` 0), or READs
 costs one reply header per run instead of one per op, and the client can receive a whole
 run's READ data with one scatter read straight into its destinations: no byte lands
 anywhere before the run's header said every op in it was accepted.
+
+Calls: the same framing and handshake carry the KV store's hot calls to hixl-master's
+call endpoint (`CallServerProtocol`; hixl.store_rpc): a CALL frame names the method in
+`segment_id`, and its payload is the caller's request id (for the logs; `addr` bytes of
+ASCII) followed by the serialized request message; the REPLY carries the serialized reply
+message, or error text (FLAG_ERROR_TEXT) when the call itself failed. A data server
+closes a connection that sends CALL; the call endpoint closes one that sends WRITE/READ.
 
     magic u16 | version u8 | opcode u8 | flags u16 | reason u16 | status u32 | epoch u32
     request_id u64 | segment_id u64 | addr u64 | length u64          (network byte order)
@@ -45,6 +52,8 @@ VERSION = 1
 MAX_PAYLOAD = 64 << 20  # senders split larger ops into frames of at most this size
 MAX_HELLO = 4096
 MAX_ERROR_TEXT = 4096
+MAX_CALL = 64 << 20  # largest CALL payload or call reply (a batch of many keys)
+MAX_CALL_REQUEST_ID = 64  # longest request id a CALL may carry (hixl.logs ids: 16)
 FLAG_ERROR_TEXT = 1  # a REPLY whose payload is a UTF-8 error message
 FLAG_CHALLENGE = 2  # a HELLO reply whose payload is the server nonce: send AUTH next
 FLAG_RUN = 4  # HELLO: the client reads run replies; REPLY: answers a run (count in `addr`)
@@ -58,6 +67,7 @@ class Op(enum.IntEnum):
     REPLY = 4
     PING = 5
     AUTH = 6
+    CALL = 7  # a store call (hixl-master's call endpoint), method number in segment_id
 
 
 class Reason(enum.IntEnum):
@@ -72,6 +82,8 @@ class Reason(enum.IntEnum):
     OUT_OF_RANGE = 6
     BAD_LENGTH = 7
     INTERNAL = 8
+    UNKNOWN_METHOD = 9  # a CALL naming a method the server does not serve
+    NOT_ALLOWED = 10  # the segment's allow-list does not name the engine of the connection
 
 
 _STATUS_FOR_REASON = {
@@ -84,6 +96,8 @@ _STATUS_FOR_REASON = {
     Reason.OUT_OF_RANGE: errors.PARAM_INVALID,
     Reason.BAD_LENGTH: errors.PARAM_INVALID,
     Reason.INTERNAL: errors.FAILED,
+    Reason.UNKNOWN_METHOD: errors.UNSUPPORTED,
+    Reason.NOT_ALLOWED: errors.PARAM_INVALID,  # PermissionDenied's status
 }
 
 
@@ -138,7 +152,7 @@ _OPCODES = frozenset(int(op) for op in Op)
 
 def payload_length(header: Header) -> int:
     """How many payload bytes follow this header on the stream."""
-    if header.opcode in (Op.WRITE, Op.HELLO, Op.REPLY, Op.AUTH):
+    if header.opcode in (Op.WRITE, Op.HELLO, Op.REPLY, Op.AUTH, Op.CALL):
         return header.length
     return 0
 
@@ -152,8 +166,8 @@ def reply_count(header: Header) -> int:
 # the per-op code below runs once per frame.
 _pack = HEADER.pack
 _unpack_from = HEADER.unpack_from
-_HELLO, _WRITE, _READ, _REPLY, _PING, _AUTH = (
-    int(op) for op in (Op.HELLO, Op.WRITE, Op.READ, Op.REPLY, Op.PING, Op.AUTH))
+_HELLO, _WRITE, _READ, _REPLY, _PING, _AUTH, _CALL = (
+    int(op) for op in (Op.HELLO, Op.WRITE, Op.READ, Op.REPLY, Op.PING, Op.AUTH, Op.CALL))
 _PERM_READ, _PERM_WRITE = int(Perm.READ), int(Perm.WRITE)
 
 
@@ -190,6 +204,17 @@ def run_reply(first_id: int, count: int, length: int = 0) -> bytes:
     return _pack(MAGIC, VERSION, _REPLY, FLAG_RUN, 0, 0, 0, first_id, 0, count, length)
 
 
+def call_frame(request_id: int, method: int, caller_id: bytes, message_length: int) -> bytes:
+    """Header of a CALL and its request-id prefix; the serialized message follows them."""
+    return _pack(MAGIC, VERSION, _CALL, 0, 0, 0, 0, request_id, method, len(caller_id),
+                 len(caller_id) + message_length) + caller_id
+
+
+def call_reply(request_id: int, message_length: int) -> bytes:
+    """Header of a CALL's successful reply; the serialized reply message follows it."""
+    return _pack(MAGIC, VERSION, _REPLY, 0, 0, 0, 0, request_id, 0, 0, message_length)
+
+
 def error_reply(request_id: int, reason: Reason, message: str) -> bytes:
     text = message.encode("utf-8", "replace")[:MAX_ERROR_TEXT]
     return Header(Op.REPLY, request_id, length=len(text), status=_STATUS_FOR_REASON[reason],
@@ -209,6 +234,8 @@ class ServedSegment:
 
     Never changed once made (a change of rights or memory is a new object), so the
     per-frame checks read the derived `end`, `readable` and `writable` directly.
+    `allowed`: the engines (names given in HELLO) that may reach it; None: every engine,
+    so a segment without an allow-list costs the per-frame check one `is None`.
     """
 
     segment_id: int
@@ -217,6 +244,7 @@ class ServedSegment:
     length: int
     perms: Perm
     memory: memoryview  # writable view of the whole segment
+    allowed: frozenset[str] | None = None
     end: int = field(init=False)
     readable: bool = field(init=False)
     writable: bool = field(init=False)
@@ -294,15 +322,18 @@ Action = ReceiveInto | Discard | Send | ReadHello | Close
 Resolver = Callable[[int], ServedSegment | None]
 
 
-class ServerProtocol:
-    """One data connection, server side. Feed headers; execute the actions returned.
+class _ServerHandshake:
+    """HELLO, then CHALLENGE / AUTH when a token is set, server side: shared by the data
+    path (`ServerProtocol`) and the store's call endpoint (`CallServerProtocol`).
 
     With a cluster `token`, the connection is `authenticated` only after a valid AUTH;
     without one, right after HELLO (authentication off).
     """
 
-    def __init__(self, resolve: Resolver, epoch: int, token: bytes | None = None) -> None:
-        self._resolve = resolve
+    #: who refuses, in the messages ("this agent requires a cluster token")
+    server_name = "agent"
+
+    def __init__(self, epoch: int, token: bytes | None = None) -> None:
         self.epoch = epoch
         self._token = token
         self.authenticated = False
@@ -314,45 +345,9 @@ class ServerProtocol:
         #: the client accepts run replies (it set FLAG_RUN on its HELLO)
         self.runs = False
 
-    def on_header(self, raw: bytes | bytearray | memoryview) -> Action:
-        if len(raw) != HEADER_SIZE:
-            msg = f"header is {len(raw)} bytes, expected {HEADER_SIZE}"
-            return Close(error_reply(0, Reason.BAD_FRAME, msg), msg)
-        return self.on_header_at(raw, 0)
-
-    def on_header_at(self, buffer: bytes | bytearray | memoryview, offset: int) -> Action:
-        """`on_header` for the 48 bytes at `buffer[offset:]` (a driver's receive buffer).
-
-        An accepted WRITE or READ takes the short path: one unpack, one resolve, the
-        checks inline, no Header object; everything else goes through `_on_frame`.
-        """
-        fields = _unpack_from(buffer, offset)
-        magic, version, op, _, _, _, epoch, rid, segment_id, addr, length = fields
-        if (op in (_WRITE, _READ) and magic == MAGIC and version == VERSION
-                and self.authenticated and 0 < length <= MAX_PAYLOAD):
-            # resolve once: a second lookup could miss a segment deregistered in between
-            segment = self._resolve(segment_id)
-            if (segment is not None and segment.epoch == epoch and addr >= segment.base
-                    and addr + length <= segment.end
-                    and (segment.writable if op == _WRITE else segment.readable)):
-                start = addr - segment.base
-                window = segment.memory[start:start + length]
-                if op == _WRITE:
-                    return ReceiveInto(window, rid)
-                return Send(None, window, rid)
-            header = _checked(fields)
-            refusal = self._check(header, segment)
-            assert refusal is not None  # the same checks as above, now naming the failure
-            reply = error_reply(rid, *refusal)
-            return Discard(length, reply) if op == _WRITE else Send(reply)
-        try:
-            header = _checked(fields)
-        except ProtocolError as exc:
-            return Close(error_reply(0, exc.reason, str(exc)), str(exc))
-        return self._on_frame(header)
-
-    def _on_frame(self, header: Header) -> Action:
-        """Every frame but an accepted WRITE or READ: handshake, refusals, PING."""
+    def _handshake_frame(self, header: Header) -> Action | None:
+        """The action for HELLO, AUTH and any frame before authentication; None for a
+        frame of an authenticated connection, which the protocol itself serves."""
         op = header.opcode
         rid = header.request_id
         if op == _HELLO:
@@ -370,25 +365,15 @@ class ServerProtocol:
             if self._server_nonce is None:
                 msg = f"{Op(op).name} before handshake: send HELLO first"
             else:
-                msg = (f"{Op(op).name} before authentication: this agent requires a cluster "
-                       "token (answer its challenge with AUTH)")
+                msg = (f"{Op(op).name} before authentication: this {self.server_name} "
+                       "requires a cluster token (answer its challenge with AUTH)")
             return self._refuse(rid, msg)
-        if op == _PING:
-            return Send(ok_reply(rid))
-        if op == _REPLY:
-            msg = "a client may not send REPLY frames"
-            return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
-        # a WRITE or READ of a bad length: on_header_at checks and serves all the others
-        msg = f"length {header.length} must be in [1, {MAX_PAYLOAD}]"
-        if op == _WRITE and header.length > MAX_PAYLOAD:
-            # the payload cannot be skipped safely: the stream is lost
-            return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
-        return Send(error_reply(rid, Reason.BAD_LENGTH, msg))
+        return None
 
     def _on_auth_header(self, header: Header) -> Action:
         rid = header.request_id
         if self._token is None:
-            msg = "AUTH not expected: this agent has no cluster token"
+            msg = f"AUTH not expected: this {self.server_name} has no cluster token"
             return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
         if self._server_nonce is None:
             if self.authenticated:
@@ -431,13 +416,97 @@ class ServerProtocol:
         return Send(Header(Op.REPLY, request_id, epoch=self.epoch, length=len(proof)).pack()
                     + proof)
 
+
+class ServerProtocol(_ServerHandshake):
+    """One data connection, server side. Feed headers; execute the actions returned.
+
+    With a cluster `token`, the connection is `authenticated` only after a valid AUTH;
+    without one, right after HELLO (authentication off).
+    """
+
+    def __init__(self, resolve: Resolver, epoch: int, token: bytes | None = None) -> None:
+        super().__init__(epoch, token)
+        self._resolve = resolve
+
+    def on_header(self, raw: bytes | bytearray | memoryview) -> Action:
+        if len(raw) != HEADER_SIZE:
+            msg = f"header is {len(raw)} bytes, expected {HEADER_SIZE}"
+            return Close(error_reply(0, Reason.BAD_FRAME, msg), msg)
+        return self.on_header_at(raw, 0)
+
+    def on_header_at(self, buffer: bytes | bytearray | memoryview, offset: int) -> Action:
+        """`on_header` for the 48 bytes at `buffer[offset:]` (a driver's receive buffer).
+
+        An accepted WRITE or READ takes the short path: one unpack, one resolve, the
+        checks inline, no Header object; everything else goes through `_on_frame`.
+        """
+        fields = _unpack_from(buffer, offset)
+        magic, version, op, _, _, _, epoch, rid, segment_id, addr, length = fields
+        if (op in (_WRITE, _READ) and magic == MAGIC and version == VERSION
+                and self.authenticated and 0 < length <= MAX_PAYLOAD):
+            # resolve once: a second lookup could miss a segment deregistered in between
+            segment = self._resolve(segment_id)
+            if (segment is not None and segment.epoch == epoch and addr >= segment.base
+                    and addr + length <= segment.end
+                    and (segment.writable if op == _WRITE else segment.readable)
+                    and (segment.allowed is None or self.peer_identity in segment.allowed)):
+                start = addr - segment.base
+                window = segment.memory[start:start + length]
+                if op == _WRITE:
+                    return ReceiveInto(window, rid)
+                return Send(None, window, rid)
+            header = _checked(fields)
+            refusal = self._check(header, segment)
+            assert refusal is not None  # the same checks as above, now naming the failure
+            reply = error_reply(rid, *refusal)
+            return Discard(length, reply) if op == _WRITE else Send(reply)
+        try:
+            header = _checked(fields)
+        except ProtocolError as exc:
+            return Close(error_reply(0, exc.reason, str(exc)), str(exc))
+        return self._on_frame(header)
+
+    def _on_frame(self, header: Header) -> Action:
+        """Every frame but an accepted WRITE or READ: handshake, refusals, PING."""
+        handshake = self._handshake_frame(header)
+        if handshake is not None:
+            return handshake
+        op = header.opcode
+        rid = header.request_id
+        if op == _PING:
+            return Send(ok_reply(rid))
+        if op == _REPLY:
+            msg = "a client may not send REPLY frames"
+            return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
+        if op == _CALL:
+            msg = "CALL frames go to hixl-master's store call endpoint, not to a data server"
+            return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
+        # a WRITE or READ of a bad length: on_header_at checks and serves all the others
+        msg = f"length {header.length} must be in [1, {MAX_PAYLOAD}]"
+        if op == _WRITE and header.length > MAX_PAYLOAD:
+            # the payload cannot be skipped safely: the stream is lost
+            return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
+        return Send(error_reply(rid, Reason.BAD_LENGTH, msg))
+
     def _check(self, header: Header, segment: ServedSegment | None) -> tuple[Reason, str] | None:
         if segment is None:
+            if header.epoch < self.epoch:
+                # a handle from an earlier life of this agent (epochs grow from one start
+                # to the next, and segment ids start again): stale, so the client
+                # reconnects; not a bad request
+                return (Reason.STALE_EPOCH,
+                        f"segment {header.segment_id} epoch {header.epoch} is stale (the "
+                        f"agent's epoch is now {self.epoch}): the agent restarted; "
+                        "reconnect to refresh the table")
             return Reason.UNKNOWN_SEGMENT, f"segment {header.segment_id} is not served here"
         if header.epoch != segment.epoch:
             return (Reason.STALE_EPOCH,
                     f"segment {header.segment_id} epoch {header.epoch} is stale (now "
                     f"{segment.epoch}): the agent restarted; reconnect to refresh the table")
+        if segment.allowed is not None and self.peer_identity not in segment.allowed:
+            return (Reason.NOT_ALLOWED,
+                    f"engine {self.peer_identity!r} may not reach segment "
+                    f"{header.segment_id}: it is not in the segment's allowed_engines")
         writing = header.opcode == _WRITE
         if not (segment.writable if writing else segment.readable):
             return (Reason.PERMISSION,
@@ -449,6 +518,81 @@ class ServerProtocol:
                     f"[{header.addr:#x}, {end:#x}) is outside segment {header.segment_id} "
                     f"[{segment.base:#x}, {segment.base + segment.length:#x})")
         return None
+
+
+# ---------------------------------------------------------------- store calls, server side
+
+@dataclass(slots=True)
+class ReadCall:
+    """Read the CALL's `count` payload bytes, split them with `CallServerProtocol.split`,
+    run the method and send its reply (`call_reply`, or `error_reply` if the call fails)."""
+
+    count: int
+    request_id: int
+    method: int
+    caller_id_length: int
+
+
+CallAction = ReadCall | Discard | Send | ReadHello | Close
+
+
+class CallServerProtocol(_ServerHandshake):
+    """One connection to hixl-master's store call endpoint, server side.
+
+    The handshake is the data path's (HELLO, and CHALLENGE / AUTH with a token); then
+    each CALL naming one of `methods` (number -> name) becomes a ReadCall. A CALL naming
+    another method is answered UNKNOWN_METHOD and its payload skipped, so the connection
+    stays usable; a frame that is no CALL, or a payload over MAX_CALL, closes it.
+    """
+
+    server_name = "master"
+
+    def __init__(self, methods: dict[int, str], token: bytes | None = None) -> None:
+        super().__init__(0, token)
+        self._methods = methods
+
+    def on_header(self, raw: bytes | bytearray | memoryview) -> CallAction:
+        try:
+            header = decode_header(raw)
+        except ProtocolError as exc:
+            return Close(error_reply(0, exc.reason, str(exc)), str(exc))
+        handshake = self._handshake_frame(header)
+        if handshake is not None:
+            return handshake  # type: ignore[return-value]  # never ReceiveInto: no segments
+        op, rid = header.opcode, header.request_id
+        if op == _PING:
+            return Send(ok_reply(rid))
+        if op != _CALL:
+            msg = (f"{Op(op).name} is not served here: this is hixl-master's store call "
+                   "endpoint (CALL frames only)")
+            return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
+        if header.length > MAX_CALL:
+            msg = f"call payload of {header.length} bytes exceeds {MAX_CALL}"
+            return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
+        if header.addr > MAX_CALL_REQUEST_ID or header.addr > header.length:
+            msg = (f"call request id of {header.addr} bytes (at most {MAX_CALL_REQUEST_ID}, "
+                   f"within the {header.length}-byte payload)")
+            return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
+        if header.segment_id not in self._methods:
+            known = ", ".join(self._methods.values())
+            return Discard(header.length, error_reply(
+                rid, Reason.UNKNOWN_METHOD,
+                f"unknown method {header.segment_id} (this master serves {known})"))
+        return ReadCall(header.length, rid, header.segment_id, header.addr)
+
+    def split(self, action: ReadCall, payload: bytes | bytearray | memoryview,
+              ) -> tuple[str, str, memoryview]:
+        """(method name, caller's request id, request message) of a CALL's payload; the
+        request id is "" when it is not printable ASCII (the caller's logs say which)."""
+        view = memoryview(payload)
+        cut = action.caller_id_length
+        try:
+            caller_id = bytes(view[:cut]).decode("ascii")
+        except UnicodeDecodeError:
+            caller_id = ""
+        if not caller_id.isprintable():
+            caller_id = ""
+        return self._methods[action.method], caller_id, view[cut:]
 
 
 # ---------------------------------------------------------------- client side
@@ -553,6 +697,17 @@ class ClientProtocol:
     def ping(self) -> bytes:
         return Header(Op.PING, self._take_id(Op.PING, 0)).pack()
 
+    def call(self, method: int, caller_id: bytes, message_length: int) -> bytes:
+        """Header and request-id prefix of a CALL (store call endpoint); the caller sends
+        the `message_length` bytes of the serialized request right after them."""
+        if len(caller_id) > MAX_CALL_REQUEST_ID:
+            raise ValueError(f"request id of {len(caller_id)} bytes (at most "
+                             f"{MAX_CALL_REQUEST_ID})")
+        if len(caller_id) + message_length > MAX_CALL:
+            raise ValueError(f"call of {len(caller_id) + message_length} bytes exceeds "
+                             f"{MAX_CALL}")
+        return call_frame(self._take_id(Op.CALL, 0), method, caller_id, message_length)
+
     def on_reply_header(self, raw: bytes | bytearray | memoryview) -> Header:
         """Check the next reply header against the oldest outstanding request(s).
 
@@ -593,7 +748,10 @@ class ClientProtocol:
         elif opcode == _AUTH and header.length != length:
             raise ProtocolError(Reason.BAD_FRAME,
                                 f"AUTH reply carries {header.length} bytes, expected {length}")
-        elif opcode not in (_READ, _AUTH) and header.length != 0:
+        elif opcode == _CALL and header.length > MAX_CALL:
+            raise ProtocolError(Reason.BAD_FRAME,
+                                f"call reply of {header.length} bytes exceeds {MAX_CALL}")
+        elif opcode not in (_READ, _AUTH, _CALL) and header.length != 0:
             raise ProtocolError(Reason.BAD_FRAME, "unexpected payload on a reply")
         self._answered(1)
         return header
@@ -629,7 +787,7 @@ def reply_error(header: Header, text: bytes) -> errors.HixlError:
     reason = header.reason
     if reason == Reason.STALE_EPOCH:
         return errors.StaleEpoch(message)
-    if reason == Reason.PERMISSION:
+    if reason == Reason.PERMISSION or reason == Reason.NOT_ALLOWED:
         return errors.PermissionDenied(message)
     if reason == Reason.OUT_OF_RANGE:
         return errors.OutOfRange(message)

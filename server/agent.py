@@ -34,7 +34,7 @@ from hixl.errors import (
 )
 from hixl.memory import Mapping, ShmSegment, round_up
 from hixl.table import AddressTable, check_range
-from hixl.types import MemType, Perm, SegmentInfo
+from hixl.types import MemType, Perm, SegmentInfo, check_allowed_engines
 
 log = logging.getLogger("hixl.agent")
 
@@ -162,15 +162,17 @@ class Agent:
     # ------------------------------------------------------------ mutations
 
     def allocate(self, size: int, perms: Perm = Perm.RW, name: str = "", owner: str = "", *,
-                 budgeted: bool = True) -> SegmentInfo:
+                 budgeted: bool = True, allowed_engines: Any = ()) -> SegmentInfo:
         """A new shm segment from this agent's DRAM, shareable with same-node peers.
 
         Charged (page-rounded) to `pool_max_bytes` unless `budgeted` is False (the
         configured pool itself); over budget -> ResourceExhausted naming needed/available.
+        `allowed_engines`: the engines that may reach it (every path); empty: everyone.
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ParamInvalid(f"allocation size must be a positive integer, got {size!r}")
         perms = _check_perms(perms)
+        allowed = check_allowed_engines(allowed_engines)
         rounded = round_up(size)
         with self._lock:
             self._check_open()
@@ -193,7 +195,8 @@ class Agent:
             return self._add(
                 kind="allocated", base=shm.addr, length=shm.length, perms=perms, name=name,
                 owner=owner, memory=shm.view(), export=lambda w: shm.export_fd(writable=w),
-                owned=[shm], charged=rounded if budgeted else 0, counter="allocations")
+                owned=[shm], charged=rounded if budgeted else 0, counter="allocations",
+                allowed=allowed)
         except BaseException:
             if budgeted:
                 with self._lock:
@@ -203,7 +206,8 @@ class Agent:
 
     def register_memory(self, addr: int, length: int, perms: Perm = Perm.RW, name: str = "",
                         owner: str = "", keepalive: Any = None,
-                        shm: ShmSegment | None = None) -> SegmentInfo:
+                        shm: ShmSegment | None = None, *,
+                        allowed_engines: Any = ()) -> SegmentInfo:
         """Serve caller memory [addr, addr+length) (the embedded shape).
 
         The caller keeps the memory valid until deregister; `keepalive` is held till then.
@@ -212,6 +216,7 @@ class Agent:
         """
         check_range(addr, length, "register_memory")
         perms = _check_perms(perms)
+        allowed = check_allowed_engines(allowed_engines)
         if shm is not None:
             if shm.fd < 0:
                 raise ParamInvalid("register_memory: the shm segment is closed")
@@ -226,10 +231,10 @@ class Agent:
             export = None
         return self._add(kind="memory", base=addr, length=length, perms=perms, name=name,
                          owner=owner, memory=memory, export=export, owned=[],
-                         charged=0, counter="registrations")
+                         charged=0, counter="registrations", allowed=allowed)
 
     def register_fd(self, fd: int, length: int, perms: Perm = Perm.RW, name: str = "",
-                    owner: str = "") -> SegmentInfo:
+                    owner: str = "", *, allowed_engines: Any = ()) -> SegmentInfo:
         """Map a client's memfd (deposited over the fd socket) and serve it; shareable.
 
         The agent keeps its own duplicate: the caller still owns (and closes) `fd`.
@@ -237,6 +242,7 @@ class Agent:
         if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
             raise ParamInvalid(f"register_fd: length must be a positive integer, got {length!r}")
         perms = _check_perms(perms)
+        allowed = check_allowed_engines(allowed_engines)
         try:
             st = os.fstat(fd)
         except OSError as exc:
@@ -256,7 +262,7 @@ class Agent:
             return self._add(
                 kind="fd", base=mapping.addr, length=length, perms=perms, name=name,
                 owner=owner, memory=mapping.view(), export=lambda w: _reopen(own_fd, w),
-                owned=[mapping, own_fd], charged=0, counter="registrations")
+                owned=[mapping, own_fd], charged=0, counter="registrations", allowed=allowed)
         except BaseException:
             _release(mapping)
             os.close(own_fd)
@@ -281,15 +287,23 @@ class Agent:
         self._release_all(owned)
         return info
 
-    def export_fd(self, segment_id: int, epoch: int, writable: bool) -> int:
-        """A new fd for a same-node peer to map; the caller closes it.
+    def export_fd(self, segment_id: int, epoch: int, writable: bool, engine: str = "") -> int:
+        """A new fd for a same-node peer (engine `engine`) to map; the caller closes it.
 
-        Read-only segments only ever give O_RDONLY fds, so a peer's PROT_WRITE map fails.
+        Read-only segments only ever give O_RDONLY fds, so a peer's PROT_WRITE map fails;
+        a segment with an allow-list gives fds only to the engines it names.
         """
         self._check_epoch(segment_id, epoch)
         entry = self._entries.get(segment_id)
         if entry is None:
             raise ParamInvalid(f"segment {segment_id} is not registered (already deregistered?)")
+        allowed = entry.served.allowed
+        if allowed is not None and engine not in allowed:
+            self._count("export_refusals")
+            raise PermissionDenied(
+                f"engine {engine or '(unnamed)'!r} may not map segment {segment_id} "
+                f"({entry.info.name or entry.kind}): it is not in the segment's "
+                "allowed_engines")
         if entry.export is None:
             self._count("export_refusals")
             raise ParamInvalid(
@@ -331,7 +345,7 @@ class Agent:
 
     def _add(self, *, kind: str, base: int, length: int, perms: Perm, name: str, owner: str,
              memory: memoryview, export: Callable[[bool], int] | None, owned: list[Any],
-             charged: int, counter: str) -> SegmentInfo:
+             charged: int, counter: str, allowed: tuple[str, ...] = ()) -> SegmentInfo:
         with self._lock:
             self._check_open()
             segment_id = next(self._ids)
@@ -339,15 +353,18 @@ class Agent:
             info = SegmentInfo(
                 segment_id=segment_id, engine=self.engine_name, node_id=self.node_id,
                 base=base, length=length, mem_type=MemType.MEM_HOST, perms=perms,
-                epoch=self.epoch, shareable=export is not None, name=name)
-            served = wire.ServedSegment(segment_id, self.epoch, base, length, perms, memory)
+                epoch=self.epoch, shareable=export is not None, name=name,
+                allowed_engines=allowed)
+            served = wire.ServedSegment(segment_id, self.epoch, base, length, perms, memory,
+                                        frozenset(allowed) if allowed else None)
             self._entries[segment_id] = _Entry(info, served, kind, owner, charged, export, owned)
             self._served[segment_id] = served
             self._counters[counter] += 1
             self._notify(ADDED, [info])
         self._retry_deferred()
-        log.info("serving segment %d %s %s [%#x, +%d) perms=%s owner=%s", segment_id, kind,
-                 name or "-", base, length, perms, owner or "-")
+        log.info("serving segment %d %s %s [%#x, +%d) perms=%s owner=%s%s", segment_id, kind,
+                 name or "-", base, length, perms, owner or "-",
+                 f" allowed_engines={','.join(allowed)}" if allowed else "")
         return info
 
     def _check_open(self) -> None:

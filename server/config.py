@@ -27,8 +27,9 @@ from typing import Any
 import yaml
 
 from hixl.control import node_identity
-from hixl.errors import ConfigError
-from hixl.types import Perm
+from hixl.errors import ConfigError, ParamInvalid
+from hixl.tls import ClientTLS, ServerTLS
+from hixl.types import Perm, check_allowed_engines
 
 ENV_PREFIX = "HIXL_AGENT_"
 DEFAULT_GRPC_PORT = 50161
@@ -96,6 +97,7 @@ class PoolEntry:
     name: str
     size: int
     perms: Perm = Perm.RW
+    allowed_engines: tuple[str, ...] = ()  # engines that may reach it; empty: every engine
 
 
 # ---------------------------------------------------------------- converters
@@ -203,7 +205,7 @@ def _as_log_level(value: object, text: bool) -> str:
     return level
 
 
-_POOL_KEYS = ("name", "size", "perms")
+_POOL_KEYS = ("name", "size", "perms", "allowed_engines")
 
 
 def _as_pool(value: object, text: bool) -> list[PoolEntry]:
@@ -241,9 +243,17 @@ def _as_pool(value: object, text: bool) -> list[PoolEntry]:
             perms = None
         if not perms:
             raise ValueError(f"{where}: 'perms' must be 'r', 'w' or 'rw', got {perms_text!r}")
+        allowed = item.get("allowed_engines", [])
+        if not isinstance(allowed, list):
+            raise ValueError(f"{where}: 'allowed_engines' must be a list of engine names "
+                             f"('host:port'), got {type(allowed).__name__} {allowed!r}")
+        try:
+            allowed_engines = check_allowed_engines(allowed, "'allowed_engines'")
+        except ParamInvalid as exc:
+            raise ValueError(f"{where}: {exc.args[0]}") from None
         if any(e.name == name for e in entries):
             raise ValueError(f"{where}: duplicate pool segment name {name!r}")
-        entries.append(PoolEntry(name, size, perms))
+        entries.append(PoolEntry(name, size, perms, allowed_engines))
     return entries
 
 
@@ -276,6 +286,10 @@ class AgentConfig:
     log_json: bool = False
     cluster_token_file: str = ""
     metrics_port: int = 0
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    tls_client_auth: bool = False
 
     # key -> converter, documentation, type; kept beside the fields and checked to match.
     KEYS = {
@@ -300,8 +314,10 @@ class AgentConfig:
                         "(8 chars). Agents with the same node_id map each other's segments.",
                         "str"),
         "pool": _key(_as_pool,
-                     "DRAM pool segments created at start: a list of {name, size, perms} "
-                     "(size like 1GiB/64MiB/bytes, perms 'rw' or 'r'). Not charged to "
+                     "DRAM pool segments created at start: a list of {name, size, perms, "
+                     "allowed_engines} (size like 1GiB/64MiB/bytes, perms 'rw' or 'r'; "
+                     "allowed_engines: the engine names that may reach the segment, on "
+                     "every path; omitted or empty: every engine). Not charged to "
                      "pool_max_bytes.", "list"),
         "pool_max_bytes": _key(_as_size,
                                "Budget for segments clients allocate at run time "
@@ -335,6 +351,28 @@ class AgentConfig:
                              "conventional port. Off by default so that several agents "
                              "on one host (tests, benchmarks) never collide; a port in "
                              "use fails the start.", "port"),
+        "tls_cert_file": _key(_as_str,
+                              "PEM certificate (chain) the gRPC server presents: with "
+                              "tls_key_file, gRPC (Agent service, embedded registry) is "
+                              "served over TLS only. Give it the host's address as an IP "
+                              "subjectAltName (peers dial host:grpc_port). The data path is "
+                              "not encrypted. Empty (default): $HIXL_TLS_CERT_FILE, else "
+                              "plaintext gRPC.", "path"),
+        "tls_key_file": _key(_as_str,
+                             "PEM private key of tls_cert_file (unencrypted; keep it mode "
+                             "0600). Empty (default): $HIXL_TLS_KEY_FILE.", "path"),
+        "tls_ca_file": _key(_as_str,
+                            "PEM CA certificate(s): the agent dials its master with TLS, "
+                            "trusting this CA (and presenting tls_cert_file, for a master "
+                            "that requires client certificates); with tls_client_auth, the "
+                            "CA that must sign clients' certificates. Empty (default): "
+                            "$HIXL_TLS_CA_FILE, else the master is dialled in plaintext.",
+                            "path"),
+        "tls_client_auth": _key(_as_bool,
+                                "Mutual TLS: serve only gRPC clients presenting a "
+                                "certificate signed by tls_ca_file (default false: any "
+                                "client; the cluster token still authenticates calls).",
+                                "bool"),
     }
 
     @classmethod
@@ -371,6 +409,19 @@ class AgentConfig:
     @property
     def log_level_number(self) -> int:
         return int(getattr(logging, self.log_level))
+
+    def server_tls(self, env: Mapping[str, str] | None = None) -> ServerTLS | None:
+        """How the gRPC server serves TLS (None: plaintext): the tls_* keys, each empty
+        one from its HIXL_TLS_* variable in `env` (default os.environ). Reads and checks
+        the files: ConfigError naming the one that is unusable."""
+        return ServerTLS.from_settings(self.tls_cert_file, self.tls_key_file,
+                                       self.tls_ca_file, self.tls_client_auth, env=env)
+
+    def client_tls(self, env: Mapping[str, str] | None = None) -> ClientTLS | None:
+        """How this agent dials gRPC servers (its master): TLS trusting tls_ca_file (else
+        $HIXL_TLS_CA_FILE), presenting its certificate; None (plaintext) with no CA."""
+        return ClientTLS.from_settings(self.tls_ca_file, self.tls_cert_file,
+                                       self.tls_key_file, env=env)
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

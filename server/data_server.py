@@ -82,7 +82,10 @@ class DataServer:
     def __init__(self, resolve: Callable[[int], wire.ServedSegment | None], epoch: int, *,
                  tcp_host: str | None = "127.0.0.1", tcp_port: int = 0,
                  unix_path: str | None = None, max_connections: int = 256,
-                 io_timeout: float = 30.0, cluster_token: bytes | None = None) -> None:
+                 io_timeout: float = 30.0, cluster_token: bytes | None = None,
+                 unix_mode: int = 0o660) -> None:
+        """`unix_mode`: the unix socket's file mode, set before it listens (so no one
+        outside it can connect in between)."""
         if tcp_host is None and unix_path is None:
             raise ConfigError("data server needs a TCP host or a unix socket path")
         if unix_path is not None and not os.path.isabs(unix_path):
@@ -93,6 +96,7 @@ class DataServer:
         self._tcp_port = tcp_port
         self._unix_path = unix_path
         self._unix_inode: int | None = None
+        self._unix_mode = unix_mode
         self._max_connections = max_connections
         self._io_timeout = io_timeout
         self._cluster_token = cluster_token
@@ -168,7 +172,8 @@ class DataServer:
                           self._unix_path and f"unix://{self._unix_path}"])))
 
     def _bind_unix(self, path: str) -> socket.socket:
-        """Bind `path` (mode 0660), replacing a stale socket file left by a dead server."""
+        """Bind `path` (mode `unix_mode`), replacing a stale socket file left by a dead
+        server."""
         try:
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
@@ -189,7 +194,7 @@ class DataServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
-            os.chmod(path, 0o660)
+            os.chmod(path, self._unix_mode)  # before listen(): nobody connects in between
             self._unix_inode = os.lstat(path).st_ino
             sock.listen(128)
         except BaseException:

@@ -4,14 +4,17 @@ A unix SOCK_SEQPACKET socket (message boundaries kept, fds carried by SCM_RIGHTS
 request is one small JSON message; each reply is one JSON message, with an fd attached
 for a successful "get_fd":
 
-    {"op": "get_fd", "segment_id": N, "epoch": E, "write": bool} -> {"ok": true, "length": L} + fd
+    {"op": "get_fd", "segment_id": N, "epoch": E, "write": bool, "engine": "host:port"}
+                                                                  -> {"ok": true, "length": L} + fd
     {"op": "deposit", "length": L} + fd                           -> {"ok": true, "ticket": "..."}
     {"op": "ping"}                                                -> {"ok": true, "epoch": E}
     failure -> {"ok": false, "status": <HIXL code>, "error": "...", "kind": "<HixlError class>"}
 
-Peers are checked by SO_PEERCRED uid against `allowed_uids`. One thread serves every
-connection through a selector; a malformed or hostile request gets an error reply (or
-its connection closed) and never stops the server.
+Peers are checked by SO_PEERCRED uid against `allowed_uids`; a get_fd's "engine" names
+the engine asking, checked against the segment's allow-list (absent: unnamed, which a
+segment with an allow-list refuses). One thread serves every connection through a
+selector; a malformed or hostile request gets an error reply (or its connection closed)
+and never stops the server.
 """
 
 from __future__ import annotations
@@ -305,7 +308,11 @@ class FdServer:
             write = request.get("write", False)
             if not isinstance(write, bool):
                 raise ParamInvalid(f"get_fd: 'write' must be true or false, got {write!r}")
-            fd = self._agent.export_fd(segment_id, epoch, write)  # checks the epoch first
+            engine = request.get("engine", "")
+            if not isinstance(engine, str):
+                raise ParamInvalid(f"get_fd: 'engine' must be an engine name, got {engine!r}")
+            # checks the epoch first, then the allow-list and permissions
+            fd = self._agent.export_fd(segment_id, epoch, write, engine)
             try:
                 length = self._agent.segment(segment_id).length
             except BaseException:

@@ -158,7 +158,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         try:
             perms = _perms(request.perms)
             info = await asyncio.to_thread(self._agent.allocate, request.size, perms,
-                                           request.name, request.owner)
+                                           request.name, request.owner,
+                                           allowed_engines=list(request.allowed_engines))
         except HixlError as exc:
             await abort_with(context, exc)
         return agent_pb2.SegmentReply(segment=segment_to_pb(info))
@@ -174,7 +175,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
                     raise ParamInvalid(
                         f"register: length {length} exceeds the {deposited} bytes deposited")
                 info = await asyncio.to_thread(self._agent.register_fd, fd, length, perms,
-                                               request.name, request.owner)
+                                               request.name, request.owner,
+                                               allowed_engines=list(request.allowed_engines))
             finally:
                 os.close(fd)  # the agent keeps its own duplicate
         except HixlError as exc:

@@ -30,7 +30,7 @@ def build_agent_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE", help="YAML config file")
     for key in ("host", "grpc_port", "data_port", "runtime_dir", "node_id", "master",
                 "pool_max_bytes", "lease_ttl_ms", "log_level", "cluster_token_file",
-                "metrics_port"):
+                "metrics_port", "tls_cert_file", "tls_key_file", "tls_ca_file"):
         parser.add_argument("--" + key.replace("_", "-"), dest=key, metavar=key.upper(),
                             help=keys[key]["doc"])
     parser.add_argument("--pool-size", metavar="SIZE",
@@ -40,6 +40,8 @@ def build_agent_parser() -> argparse.ArgumentParser:
                         help="do not serve the data path on a unix socket")
     parser.add_argument("--log-json", dest="log_json", action="store_const", const=True,
                         help="log JSON lines")
+    parser.add_argument("--tls-client-auth", dest="tls_client_auth", action="store_const",
+                        const=True, help=keys["tls_client_auth"]["doc"])
     parser.add_argument("--describe-config", action="store_true",
                         help="print every config key (type, default, meaning) as JSON and exit")
     return parser
@@ -62,6 +64,8 @@ def agent_main(argv: list[str] | None = None) -> int:
         config = AgentConfig.load(args.config, overrides)
         # read here, so that a missing or empty token file is a config error (exit 2)
         token = load_token(config.cluster_token_file or None)
+        config.server_tls()  # likewise an unusable TLS file (read again by the server)
+        config.client_tls()
     except ConfigError as exc:
         print(f"hixl-agent: {exc}", file=sys.stderr)
         return 2

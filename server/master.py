@@ -33,7 +33,7 @@ import grpc
 import uvloop
 
 from hixl.auth import ENV_TOKEN, ENV_TOKEN_FILE, load_token
-from hixl.control import server_interceptors
+from hixl.control import add_port, server_interceptors
 from hixl.errors import ConfigError
 from hixl.logs import setup_logging
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
@@ -46,7 +46,9 @@ from hixl.server.registry import (
     start_expiry,
 )
 from hixl.server.store import ALLOCATION_STRATEGIES, ObjectStore, StoreOptions
-from hixl.server.store_service import add_store_service, upkeep_forever
+from hixl.server.store_rpc_server import StoreCallServer
+from hixl.server.store_service import StoreCalls, add_store_service, upkeep_forever
+from hixl.tls import ENV_CA_FILE, ENV_CERT_FILE, ENV_KEY_FILE, ServerTLS
 
 log = logging.getLogger("hixl.master")
 
@@ -118,7 +120,12 @@ class MasterConfig:
     log_json: bool = False
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster_token_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    tls_client_auth: bool = False
     metrics_port: int = 0
+    fast_port: int = 0
 
     @classmethod
     def keys(cls) -> dict[str, dict[str, Any]]:
@@ -233,11 +240,34 @@ def build_parser() -> argparse.ArgumentParser:
                         help="file holding the cluster token: every call must prove it. "
                              f"Default: ${ENV_TOKEN} (the token) or ${ENV_TOKEN_FILE} (a "
                              "file); with neither, calls are not authenticated")
+    parser.add_argument("--tls-cert-file", dest="tls_cert_file", default="", metavar="FILE",
+                        help="PEM certificate (chain) to serve gRPC over TLS with (with "
+                             "--tls-key-file); give it the address clients dial as a "
+                             "subjectAltName. The store call endpoint (--fast-port) is not "
+                             "encrypted; TLS clients keep every call on gRPC. Default: "
+                             f"${ENV_CERT_FILE}, else plaintext")
+    parser.add_argument("--tls-key-file", dest="tls_key_file", default="", metavar="FILE",
+                        help="PEM private key of --tls-cert-file (unencrypted, mode 0600). "
+                             f"Default: ${ENV_KEY_FILE}")
+    parser.add_argument("--tls-ca-file", dest="tls_ca_file", default="", metavar="FILE",
+                        help="PEM CA certificate(s) that must sign client certificates, with "
+                             f"--tls-client-auth. Default: ${ENV_CA_FILE}")
+    parser.add_argument("--tls-client-auth", dest="tls_client_auth", action="store_true",
+                        help="mutual TLS: serve only clients presenting a certificate signed "
+                             "by --tls-ca-file (the cluster token still authenticates calls)")
     parser.add_argument("--metrics-port", dest="metrics_port", type=_int_in(0, 65535),
                         default=0, metavar="PORT",
                         help="serve Prometheus metrics (registry, store: objects, space, "
                              "evictions, results by code) on http://HOST:PORT/metrics; 0 "
                              "(default): none")
+    parser.add_argument("--fast-port", dest="fast_port", type=_int_in(-1, 65535), default=0,
+                        metavar="PORT",
+                        help="port of the store call endpoint on --host: the hot store calls "
+                             "(puts, reads, exists, removals) framed over a plain socket, "
+                             "several times cheaper than gRPC; advertised to clients in "
+                             "Heartbeat and MountSegment replies. 0 (default): a free port, "
+                             "or none when gRPC is served over TLS (the endpoint is "
+                             "plaintext); -1: none (every call over gRPC)")
     store = parser.add_argument_group("KV store (mooncake_master flags)")
     defaults = StoreConfig()
     store.add_argument(*_mooncake("default_kv_lease_ttl"), dest="default_kv_lease_ttl_ms",
@@ -327,12 +357,25 @@ def open_store(config: StoreConfig, port: int) -> ObjectStore:
     return store
 
 
+def server_tls(config: MasterConfig) -> ServerTLS | None:
+    """How gRPC is served: TLS per the tls_* settings (each empty one from its HIXL_TLS_*
+    variable), or None for plaintext; ConfigError naming an unusable file."""
+    return ServerTLS.from_settings(config.tls_cert_file, config.tls_key_file,
+                                   config.tls_ca_file, config.tls_client_auth)
+
+
 async def serve(config: MasterConfig, stop: asyncio.Event,
                 cluster_token: bytes | None = None) -> int:
     """Serve until `stop` is set; returns the process exit code.
 
-    With a `cluster_token`, every call must prove it (hixl.auth), else UNAUTHENTICATED.
+    With a `cluster_token`, every call must prove it (hixl.auth), else UNAUTHENTICATED;
+    with TLS settings (`server_tls`), gRPC is served over TLS only.
     """
+    try:
+        tls = server_tls(config)
+    except ConfigError as exc:
+        print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
+        return 2
     registry = Registry(max_ttl_ms=config.max_lease_ttl_ms)
     # No SO_REUSEPORT: a second master on a taken port must fail, not share it silently.
     server = grpc.aio.server(
@@ -343,7 +386,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     add_registry_service(server, registry, expire_every_s=None)
     address = _bind_address(config.host, config.port)
     try:
-        port = server.add_insecure_port(address)
+        port = add_port(server, address, tls)
     except RuntimeError as exc:
         print(f"hixl-master: cannot bind {address}: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -353,7 +396,27 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     except ConfigError as exc:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 1
-    servicer = add_store_service(server, store)
+    calls = StoreCalls(store)
+    fast = None
+    fast_port = config.fast_port
+    if tls is not None and fast_port == 0:
+        log.info("store call endpoint off: gRPC is served over TLS and the endpoint is "
+                 "plaintext (give --fast-port PORT to open it anyway)")
+        fast_port = -1
+    elif tls is not None and fast_port > 0:
+        log.warning("store call endpoint on port %d is plaintext although gRPC uses TLS: "
+                    "keys and replica addresses cross the network unencrypted", fast_port)
+    if fast_port >= 0:
+        fast = StoreCallServer(calls, config.host, fast_port,
+                               cluster_token=cluster_token)
+        try:
+            fast.start()
+        except ConfigError as exc:
+            print(f"hixl-master: {exc} (--fast-port)", file=sys.stderr, flush=True)
+            await asyncio.to_thread(store.close)
+            return 1
+        calls.fast_port = fast.port
+    servicer = add_store_service(server, store, calls)
     metrics = None
     if config.metrics_port:
         try:
@@ -361,6 +424,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
                                     config.host, config.metrics_port, "--metrics-port")
         except ConfigError as exc:
             print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
+            if fast is not None:
+                await asyncio.to_thread(fast.stop)
             await asyncio.to_thread(store.close)
             return 1
     expiry = start_expiry(registry)
@@ -371,12 +436,17 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         print(f"hixl-master serving {_bind_address(config.host, port)}", flush=True)
         log.info("cluster token: %s", "required" if cluster_token is not None else
                  "none (calls are not authenticated)")
+        log.info("gRPC: %s", tls.describe() if tls is not None else "plaintext")
         log.info("store settings: %s", config.store)
+        log.info("store call endpoint: %s", f"port {fast.port}" if fast is not None else
+                 "none (--fast-port -1: every store call over gRPC)")
         await stop.wait()
     finally:
         expiry.cancel()
         upkeep.cancel()
         await server.stop(STOP_GRACE_S)
+        if fast is not None:
+            await asyncio.to_thread(fast.stop)
         if metrics is not None:
             await asyncio.to_thread(metrics.close)
         await asyncio.to_thread(store.close)
@@ -418,6 +488,7 @@ def run_master(argv: list[str] | None = None) -> int:
     setup_logging(config.log_level, config.log_json)
     try:
         token = load_token(config.cluster_token_file or None)
+        server_tls(config)  # an unusable TLS file is a configuration error too (exit 2)
     except ConfigError as exc:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -29,7 +29,7 @@ import uvloop
 
 from hixl import logs
 from hixl.auth import load_token
-from hixl.control import server_interceptors
+from hixl.control import add_port, server_interceptors
 from hixl.errors import HixlError, ParamInvalid
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
 from hixl.registry_client import EngineEndpoints, RegistryClient
@@ -177,6 +177,9 @@ class AgentServer:
         self.config = config
         self._cluster_token = cluster_token if cluster_token is not None else load_token(
             config.cluster_token_file or None)
+        # read (and checked) here, like the token: a bad file fails the start, not a call
+        self._tls = config.server_tls()
+        self._master_tls = config.client_tls() if config.master else None
         self.engine_name = ""
         self.agent: Agent | None = None
         self.endpoints: Endpoints | None = None
@@ -300,7 +303,7 @@ class AgentServer:
         self._grpc = server
         address = f"{cfg.host}:{cfg.grpc_port}"
         try:
-            port = server.add_insecure_port(address)
+            port = add_port(server, address, self._tls)
         except RuntimeError as exc:
             raise HixlError(f"cannot serve gRPC on {address}: {exc} (port in use?)") from None
         if not port:
@@ -313,7 +316,8 @@ class AgentServer:
         self.agent = agent
 
         for entry in cfg.pool:
-            agent.allocate(entry.size, entry.perms, entry.name, owner="pool", budgeted=False)
+            agent.allocate(entry.size, entry.perms, entry.name, owner="pool", budgeted=False,
+                           allowed_engines=entry.allowed_engines)
 
         base = os.path.join(cfg.runtime_dir, f"agent-{port}")
         unix_data = f"{base}.data.sock" if cfg.data_unix else None
@@ -322,12 +326,10 @@ class AgentServer:
         data_server_cls = _data_server_class()
         self._data = data_server_cls(agent.resolve, agent.epoch, tcp_host=cfg.host,
                                      tcp_port=cfg.data_port, unix_path=unix_data,
-                                     cluster_token=token)
+                                     cluster_token=token, unix_mode=cfg.socket_mode)
         self._data.start()
         if unix_data:
             self._sockets.append(unix_data)
-            with contextlib.suppress(OSError):
-                os.chmod(unix_data, cfg.socket_mode)
 
         fd_path = f"{base}.fd.sock"
         self._fd = FdServer(fd_path, agent, self._tickets, mode=cfg.socket_mode,
@@ -350,15 +352,19 @@ class AgentServer:
             self.publisher = Publisher(agent, registry_target[0], cfg.lease_ttl_ms,
                                        registry_target[1], published)
             self.publisher.start()
-        log.info("agent %s serving: data=%s unix=%s fd=%s epoch=%d node=%s registry=%s",
-                 self.engine_name, self.endpoints.data_tcp, self.endpoints.data_unix or "-",
-                 fd_path, agent.epoch, agent.node_id, cfg.master or "embedded")
+        log.info("agent %s serving: data=%s unix=%s fd=%s epoch=%d node=%s registry=%s "
+                 "grpc=%s", self.engine_name, self.endpoints.data_tcp,
+                 self.endpoints.data_unix or "-", fd_path, agent.epoch, agent.node_id,
+                 cfg.master or "embedded",
+                 self._tls.describe() if self._tls is not None else "plaintext")
 
     def _wire_registry(self, server: grpc.aio.Server) -> tuple[Any, str] | None:
         """(registry-like object, description) to publish to, or None without a registry."""
         cfg = self.config
         if cfg.master:
-            return RegistryClient(cfg.master, cluster_token=self._cluster_token), f"master {cfg.master}"
+            client = RegistryClient(cfg.master, cluster_token=self._cluster_token,
+                                    tls=self._master_tls or False)
+            return client, f"master {cfg.master}"
         try:
             from hixl.server.registry import Registry, add_registry_service
         except ImportError as exc:

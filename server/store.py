@@ -97,6 +97,9 @@ MAX_SOFT_PIN_TTL_MS = 24 * 3600 * 1000       # Mooncake's cap
 MAX_U64 = (1 << 64) - 1
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
 MAX_LIST_KEYS = 10_000                        # keys one list_keys reply carries at most
+#: what re.compile raises for a bad pattern from a client: re.error, and for a repeat
+#: count past the engine's limit ("a{99999999999}") or deep nesting, the other two
+_BAD_REGEX = (re.error, TypeError, OverflowError, RecursionError)
 
 
 class AllocationStrategy(str, enum.Enum):
@@ -821,7 +824,7 @@ class ObjectStore:
     def remove_by_regex(self, regex: str, *, force: bool = False) -> CountResult:
         try:
             pattern = re.compile(regex)
-        except (re.error, TypeError) as exc:
+        except _BAD_REGEX as exc:
             return CountResult(ErrorCode.INVALID_PARAMS, 0, f"bad regex {regex!r}: {exc}")
         return self._remove_matching(pattern.search, force)
 
@@ -850,7 +853,7 @@ class ObjectStore:
         """
         try:
             pattern = re.compile(regex)
-        except (re.error, TypeError) as exc:
+        except _BAD_REGEX as exc:
             return KeyListing(ErrorCode.INVALID_PARAMS, message=f"bad regex {regex!r}: {exc}")
         cap = MAX_LIST_KEYS if limit <= 0 else min(limit, MAX_LIST_KEYS)
         with self._lock:

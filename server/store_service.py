@@ -1,18 +1,21 @@
 """The gRPC `Master` service: a thin skin over an ObjectStore (server/store.py).
 
 Outcomes travel as ErrorCode values inside the replies (one per key in batch calls), so
-a call only fails as a call when something is wrong with the call itself. With a data
-dir, store calls may wait for an fsync; they then run in worker threads so the event
-loop keeps serving (the registry on the same server included).
+a call only fails as a call when something is wrong with the call itself. `StoreCalls`
+maps each request message to the store and back, for both front ends: this gRPC
+servicer and the call endpoint (server/store_rpc_server.py). Calls that cannot block
+run inline on the event loop (no thread hop); with a data dir, calls that may wait for
+an fsync, and those that scan every key, run in worker threads so the event loop keeps
+serving (the registry on the same server included).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import threading
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any
 
 import grpc
 
@@ -32,55 +35,76 @@ log = logging.getLogger("hixl.store")
 
 UPKEEP_EVERY_S = 0.1
 
-_R = TypeVar("_R")
 
+class StoreCalls:
+    """Request message -> ObjectStore call -> reply message, one method per Master RPC.
 
-class MasterServicer(store_pb2_grpc.MasterServicer):
-    """Convert, call the store, convert back; no store logic here."""
+    The one place that maps the wire to the store, shared by both front ends: the gRPC
+    servicer (`MasterServicer`) and the call endpoint (`hixl.server.store_rpc_server`),
+    which passes the same store_pb2 messages. Each method is plain and blocking; it may
+    wait for the journal's fsync when the store is persistent (`MAY_BLOCK`).
+    Thread-safe: the store is, and the tally takes a lock.
+    """
+
+    #: methods that may wait for the disk (an fsync) with a persistent store, or scan
+    #: every key: never run on the event loop then
+    MAY_BLOCK = frozenset({"MountSegment", "UnmountSegment", "PutStart", "PutEnd",
+                           "Remove", "RemoveByRegex", "RemoveAll", "ListKeys"})
+    #: ... of which these always scan every key, persistent or not
+    SCANS = frozenset({"RemoveByRegex", "RemoveAll", "ListKeys"})
 
     def __init__(self, store: ObjectStore) -> None:
-        self._store = store
+        self.store = store
+        #: the call endpoint's port, advertised in Heartbeat and MountSegment replies
+        self.fast_port = 0
         #: (RPC, ErrorCode) -> keys (or calls, for whole-call results) answered so, for
-        #: metrics; bumped on the event loop's thread only
+        #: metrics; from both front ends
         self.results: dict[tuple[str, int], int] = {}
+        self._tally_lock = threading.Lock()
+        self.handlers: dict[str, Callable[[Any], Any]] = {
+            "MountSegment": self.mount_segment, "UnmountSegment": self.unmount_segment,
+            "Heartbeat": self.heartbeat, "PutStart": self.put_start, "PutEnd": self.put_end,
+            "PutRevoke": self.put_revoke, "GetReplicas": self.get_replicas,
+            "ExistKey": self.exist_key, "GetSize": self.get_size, "Remove": self.remove,
+            "RemoveByRegex": self.remove_by_regex, "RemoveAll": self.remove_all,
+            "ListSegments": self.list_segments, "Stats": self.stats,
+            "ListKeys": self.list_keys}
+
+    def blocks(self, method: str) -> bool:
+        """True when `method` may block (disk, or a scan of every key) on this store."""
+        return method in self.SCANS or (method in self.MAY_BLOCK and self.store.persistent)
 
     def _tally(self, method: str, codes: Iterable[int]) -> None:
-        results = self.results
-        for code in codes:
-            key = (method, int(code))
-            results[key] = results.get(key, 0) + 1
+        keys = [(method, int(code)) for code in codes]
+        with self._tally_lock:
+            results = self.results
+            for key in keys:
+                results[key] = results.get(key, 0) + 1
 
-    async def _run(self, fn: Callable[..., _R], *args: object, **kwargs: object) -> _R:
-        """Call the store; in a worker thread when it may wait for the disk."""
-        if not self._store.persistent:
-            return fn(*args, **kwargs)
-        return await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
-
-    async def MountSegment(self, request: store_pb2.MountSegmentRequest,
-                           context: grpc.aio.ServicerContext) -> store_pb2.MountSegmentReply:
-        result = await self._run(self._store.mount_segment, request.client_id,
-                                 store_segment_from_pb(request.segment))
+    def mount_segment(self, request: store_pb2.MountSegmentRequest,
+                      ) -> store_pb2.MountSegmentReply:
+        result = self.store.mount_segment(request.client_id,
+                                          store_segment_from_pb(request.segment))
         self._tally("MountSegment", (result.code,))
         return store_pb2.MountSegmentReply(code=result.code, message=result.message,
-                                           restored_objects=result.objects)
+                                           restored_objects=result.objects,
+                                           fast_port=self.fast_port)
 
-    async def UnmountSegment(self, request: store_pb2.UnmountSegmentRequest,
-                             context: grpc.aio.ServicerContext,
-                             ) -> store_pb2.UnmountSegmentReply:
-        result = await self._run(self._store.unmount_segment, request.client_id,
-                                 request.engine, request.segment_id)
+    def unmount_segment(self, request: store_pb2.UnmountSegmentRequest,
+                        ) -> store_pb2.UnmountSegmentReply:
+        result = self.store.unmount_segment(request.client_id, request.engine,
+                                            request.segment_id)
         self._tally("UnmountSegment", (result.code,))
         return store_pb2.UnmountSegmentReply(code=result.code, message=result.message,
                                              dropped_objects=result.objects)
 
-    async def Heartbeat(self, request: store_pb2.HeartbeatRequest,
-                        context: grpc.aio.ServicerContext) -> store_pb2.HeartbeatReply:
-        result = self._store.heartbeat(request.client_id)  # never touches the disk
+    def heartbeat(self, request: store_pb2.HeartbeatRequest) -> store_pb2.HeartbeatReply:
+        result = self.store.heartbeat(request.client_id)  # never touches the disk
         return store_pb2.HeartbeatReply(status=int(result.status),
-                                        client_ttl_ms=result.client_ttl_ms)
+                                        client_ttl_ms=result.client_ttl_ms,
+                                        fast_port=self.fast_port)
 
-    async def PutStart(self, request: store_pb2.PutStartRequest,
-                       context: grpc.aio.ServicerContext) -> store_pb2.PutStartReply:
+    def put_start(self, request: store_pb2.PutStartRequest) -> store_pb2.PutStartReply:
         items = [(item.key, item.value_length) for item in request.items]
         try:
             config = replica_config_from_pb(request.config)
@@ -89,89 +113,119 @@ class MasterServicer(store_pb2_grpc.MasterServicer):
             self._tally("PutStart", (ErrorCode.INVALID_PARAMS for _ in items))
             return store_pb2.PutStartReply(results=[
                 store_pb2.PutStartResult(code=ErrorCode.INVALID_PARAMS) for _ in items])
-        results = await self._run(self._store.put_start, request.client_id, items, config,
-                                  node_id=request.node_id, upsert=request.upsert)
+        results = self.store.put_start(request.client_id, items, config,
+                                       node_id=request.node_id, upsert=request.upsert)
         self._tally("PutStart", (r.code for r in results))
         return store_pb2.PutStartReply(results=[
             store_pb2.PutStartResult(code=r.code, put_id=r.put_id,
                                      replicas=[replica_to_pb(p) for p in r.replicas])
             for r in results])
 
-    async def PutEnd(self, request: store_pb2.PutEndRequest,
-                     context: grpc.aio.ServicerContext) -> store_pb2.CodesReply:
-        codes = await self._run(self._store.put_end, request.client_id,
-                                [(p.key, p.put_id) for p in request.puts])
+    def put_end(self, request: store_pb2.PutEndRequest) -> store_pb2.CodesReply:
+        codes = self.store.put_end(request.client_id,
+                                   [(p.key, p.put_id) for p in request.puts])
         self._tally("PutEnd", codes)
         return store_pb2.CodesReply(codes=codes)
 
-    async def PutRevoke(self, request: store_pb2.PutEndRequest,
-                        context: grpc.aio.ServicerContext) -> store_pb2.CodesReply:
-        codes = self._store.put_revoke(request.client_id,
-                                       [(p.key, p.put_id) for p in request.puts])
+    def put_revoke(self, request: store_pb2.PutEndRequest) -> store_pb2.CodesReply:
+        codes = self.store.put_revoke(request.client_id,
+                                      [(p.key, p.put_id) for p in request.puts])
         self._tally("PutRevoke", codes)
         return store_pb2.CodesReply(codes=codes)
 
-    async def GetReplicas(self, request: store_pb2.KeysRequest,
-                          context: grpc.aio.ServicerContext) -> store_pb2.GetReplicasReply:
-        results = self._store.get_replicas(list(request.keys))
+    def get_replicas(self, request: store_pb2.KeysRequest) -> store_pb2.GetReplicasReply:
+        results = self.store.get_replicas(list(request.keys))
         self._tally("GetReplicas", (r.code for r in results))
         return store_pb2.GetReplicasReply(results=[
             store_pb2.GetReplicasResult(code=r.code, size=r.size, lease_ttl_ms=r.lease_ttl_ms,
                                         replicas=[replica_to_pb(p) for p in r.replicas])
             for r in results])
 
-    async def ExistKey(self, request: store_pb2.KeysRequest,
-                       context: grpc.aio.ServicerContext) -> store_pb2.CodesReply:
-        codes = self._store.exist_keys(list(request.keys))
+    def exist_key(self, request: store_pb2.KeysRequest) -> store_pb2.CodesReply:
+        codes = self.store.exist_keys(list(request.keys))
         self._tally("ExistKey", codes)
         return store_pb2.CodesReply(codes=codes)
 
-    async def GetSize(self, request: store_pb2.KeysRequest,
-                      context: grpc.aio.ServicerContext) -> store_pb2.GetSizeReply:
-        sizes = self._store.get_sizes(list(request.keys))
+    def get_size(self, request: store_pb2.KeysRequest) -> store_pb2.GetSizeReply:
+        sizes = self.store.get_sizes(list(request.keys))
         self._tally("GetSize", (min(size, ErrorCode.OK) for size in sizes))  # a size is OK
         return store_pb2.GetSizeReply(sizes=sizes)
 
-    async def Remove(self, request: store_pb2.RemoveRequest,
-                     context: grpc.aio.ServicerContext) -> store_pb2.CodesReply:
-        codes = await self._run(self._store.remove, list(request.keys), force=request.force)
+    def remove(self, request: store_pb2.RemoveRequest) -> store_pb2.CodesReply:
+        codes = self.store.remove(list(request.keys), force=request.force)
         self._tally("Remove", codes)
         return store_pb2.CodesReply(codes=codes)
 
-    async def RemoveByRegex(self, request: store_pb2.RemoveByRegexRequest,
-                            context: grpc.aio.ServicerContext) -> store_pb2.CountReply:
-        result = await self._run(self._store.remove_by_regex, request.regex,
-                                 force=request.force)
+    def remove_by_regex(self, request: store_pb2.RemoveByRegexRequest,
+                        ) -> store_pb2.CountReply:
+        result = self.store.remove_by_regex(request.regex, force=request.force)
         self._tally("RemoveByRegex", (result.code,))
         return store_pb2.CountReply(code=result.code, count=result.count,
                                     message=result.message)
 
-    async def RemoveAll(self, request: store_pb2.RemoveAllRequest,
-                        context: grpc.aio.ServicerContext) -> store_pb2.CountReply:
-        result = await self._run(self._store.remove_all, force=request.force)
+    def remove_all(self, request: store_pb2.RemoveAllRequest) -> store_pb2.CountReply:
+        result = self.store.remove_all(force=request.force)
         self._tally("RemoveAll", (result.code,))
         return store_pb2.CountReply(code=result.code, count=result.count,
                                     message=result.message)
 
-    async def ListSegments(self, request: store_pb2.ListStoreSegmentsRequest,
-                           context: grpc.aio.ServicerContext,
-                           ) -> store_pb2.ListStoreSegmentsReply:
+    def list_segments(self, request: store_pb2.ListStoreSegmentsRequest,
+                      ) -> store_pb2.ListStoreSegmentsReply:
         return store_pb2.ListStoreSegmentsReply(segments=[
             store_pb2.MountedSegment(segment=store_segment_to_pb(m.segment),
                                      client_id=m.client_id, live=m.live, used=m.used)
-            for m in self._store.list_segments()])
+            for m in self.store.list_segments()])
 
-    async def Stats(self, request: store_pb2.StoreStatsRequest,
-                    context: grpc.aio.ServicerContext) -> store_pb2.StoreStatsReply:
-        return store_pb2.StoreStatsReply(stats=self._store.stats())
+    def stats(self, request: store_pb2.StoreStatsRequest) -> store_pb2.StoreStatsReply:
+        return store_pb2.StoreStatsReply(stats=self.store.stats())
 
-    async def ListKeys(self, request: store_pb2.ListKeysRequest,
-                       context: grpc.aio.ServicerContext) -> store_pb2.ListKeysReply:
-        # a worker thread: matching a large store's keys must not stall the event loop
-        listing = await asyncio.to_thread(self._store.list_keys, request.regex, request.limit)
+    def list_keys(self, request: store_pb2.ListKeysRequest) -> store_pb2.ListKeysReply:
+        listing = self.store.list_keys(request.regex, request.limit)
         return store_pb2.ListKeysReply(
             code=listing.code, message=listing.message, total=listing.total,
             truncated=listing.truncated, keys=[key_info_to_pb(k) for k in listing.keys])
+
+
+def _rpc(name: str) -> Callable[..., Any]:
+    """The servicer method for RPC `name`: StoreCalls' handler, on the event loop when it
+    cannot block, in a worker thread when it may (fsync, or a scan of every key)."""
+    async def serve(self: MasterServicer, request: Any,
+                    context: grpc.aio.ServicerContext) -> Any:
+        calls = self.calls
+        handler = calls.handlers[name]
+        if calls.blocks(name):
+            return await asyncio.to_thread(handler, request)
+        return handler(request)
+
+    serve.__name__ = serve.__qualname__ = name
+    return serve
+
+
+class MasterServicer(store_pb2_grpc.MasterServicer):
+    """The gRPC front end of StoreCalls: no mapping or store logic here."""
+
+    def __init__(self, store: ObjectStore, calls: StoreCalls | None = None) -> None:
+        self.calls = calls or StoreCalls(store)
+
+    @property
+    def results(self) -> dict[tuple[str, int], int]:
+        return self.calls.results
+
+    MountSegment = _rpc("MountSegment")
+    UnmountSegment = _rpc("UnmountSegment")
+    Heartbeat = _rpc("Heartbeat")
+    PutStart = _rpc("PutStart")
+    PutEnd = _rpc("PutEnd")
+    PutRevoke = _rpc("PutRevoke")
+    GetReplicas = _rpc("GetReplicas")
+    ExistKey = _rpc("ExistKey")
+    GetSize = _rpc("GetSize")
+    Remove = _rpc("Remove")
+    RemoveByRegex = _rpc("RemoveByRegex")
+    RemoveAll = _rpc("RemoveAll")
+    ListSegments = _rpc("ListSegments")
+    Stats = _rpc("Stats")
+    ListKeys = _rpc("ListKeys")
 
 
 async def upkeep_forever(store: ObjectStore, interval_s: float = UPKEEP_EVERY_S) -> None:
@@ -184,12 +238,15 @@ async def upkeep_forever(store: ObjectStore, interval_s: float = UPKEEP_EVERY_S)
             log.exception("store upkeep pass failed")
 
 
-def add_store_service(server: grpc.aio.Server, store: ObjectStore) -> MasterServicer:
+def add_store_service(server: grpc.aio.Server, store: ObjectStore,
+                      calls: StoreCalls | None = None) -> MasterServicer:
     """Serve `store` as the Master service on `server` (start upkeep with upkeep_forever);
-    returns the servicer (its `results` feed the metrics)."""
-    servicer = MasterServicer(store)
+    returns the servicer (its `results` feed the metrics). Pass the `calls` the call
+    endpoint serves too, so both front ends share one tally."""
+    servicer = MasterServicer(store, calls)
     store_pb2_grpc.add_MasterServicer_to_server(servicer, server)
     return servicer
 
 
-__all__ = ["MasterServicer", "UPKEEP_EVERY_S", "add_store_service", "upkeep_forever"]
+__all__ = ["MasterServicer", "StoreCalls", "UPKEEP_EVERY_S", "add_store_service",
+           "upkeep_forever"]

@@ -514,9 +514,12 @@ def test_k8s_master_deployment_and_service(tmp_path: Path) -> None:
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    [port] = service["spec"]["ports"]
-    assert port["port"] == config.port
-    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+    # clients dial the Service's name at the master's port and at its advertised fast_port
+    ports = {p["port"]: p for p in service["spec"]["ports"]}
+    assert set(ports) == {config.port, config.fast_port}
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for number, port in ports.items():
+        assert named[port["targetPort"]] == number
 
 
 def test_k8s_agent_daemonset(tmp_path: Path) -> None:
@@ -615,7 +618,7 @@ def test_example_master_and_agent_start_and_form_a_cluster(
     # the deploy files as they are; only what would clash on a test machine is overridden
     master = Process([sys.executable, "-m", "hixl.server.master",
                       "--config", str(DEPLOY / "master.yaml"), "--host", "127.0.0.1",
-                      "--port", "0", "--metrics-port", "0",
+                      "--port", "0", "--metrics-port", "0", "--fast-port", "0",
                       "--data-dir", str(workdir / "master")],
                      env, "hixl-master serving ", workdir)
     agent = None

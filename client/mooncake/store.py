@@ -1058,8 +1058,12 @@ class MooncakeDistributedStore:
             retry = [item for item, _ in jobs if item.index in failed]
             for target in {failed[i.index][0] for i in retry}:
                 self._suspect(target)
-            if no_room and attempt == 0 and self._check_in():
-                retry += no_room    # our segment was awaiting its remount: room again
+            if no_room and attempt == 0:
+                # segments may be awaiting their remount (a restarted master): check in
+                # (remounting ours if still needed) and try once more -- also when the
+                # heartbeat thread remounted it meanwhile and the check-in had nothing to do
+                self._check_in()
+                retry += no_room
             if attempt == 0 and retry:
                 log.info("%s: %d key(s) failed (%s); retrying on other segments", what,
                          len(retry), next(iter(reasons.get(i.index, "") for i in retry)))
@@ -1214,7 +1218,13 @@ class MooncakeDistributedStore:
                               else f"master: {code_name(result.code)}")
                     if result.code == ErrorCode.REPLICA_IS_NOT_READY:
                         again.append(i)
-            asking = again if attempt == 0 and again and self._check_in() else []
+            if attempt == 0 and again:
+                # our segment may await its remount (a restarted master): check in, then
+                # ask again -- also when the heartbeat thread remounted it meanwhile
+                self._check_in()
+                asking = again
+            else:
+                asking = []
         return out
 
     def _read(self, jobs: list[tuple[int, GetReplicasResult, list[tuple[int, int, int]]]],

@@ -648,7 +648,7 @@ class TransferEngine:
         text = NOTIFY_PREFIX + json.dumps([engine.name, name, msg])
         if len(text) > MAX_NOTIFY_BYTES:
             raise ParamInvalid(f"notify is {len(text)} bytes encoded; at most {MAX_NOTIFY_BYTES}")
-        engine.allocate(target, 1, Perm.READ, name=text)
+        engine.allocate(target, 1, Perm.READ, name=text, wait=False)  # the target's agent reads it
 
     def get_notifies(self) -> list[TransferNotify]:
         """Notifications peers sent with their transfers, oldest first; each once."""

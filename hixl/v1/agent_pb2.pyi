@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Segment(_message.Message):
-    __slots__ = ("segment_id", "engine", "node_id", "base", "length", "mem_type", "perms", "epoch", "shareable", "name")
+    __slots__ = ("segment_id", "engine", "node_id", "base", "length", "mem_type", "perms", "epoch", "shareable", "name", "allowed_engines")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class Segment(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SHAREABLE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_ENGINES_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     engine: str
     node_id: str
@@ -29,7 +30,8 @@ class Segment(_message.Message):
     epoch: int
     shareable: bool
     name: str
-    def __init__(self, segment_id: _Optional[int] = ..., engine: _Optional[str] = ..., node_id: _Optional[str] = ..., base: _Optional[int] = ..., length: _Optional[int] = ..., mem_type: _Optional[int] = ..., perms: _Optional[int] = ..., epoch: _Optional[int] = ..., shareable: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
+    allowed_engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, segment_id: _Optional[int] = ..., engine: _Optional[str] = ..., node_id: _Optional[str] = ..., base: _Optional[int] = ..., length: _Optional[int] = ..., mem_type: _Optional[int] = ..., perms: _Optional[int] = ..., epoch: _Optional[int] = ..., shareable: _Optional[bool] = ..., name: _Optional[str] = ..., allowed_engines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("version", "client_engine")
@@ -78,7 +80,7 @@ class WatchSegmentsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentColumns(_message.Message):
-    __slots__ = ("engine", "node_id", "epoch", "segment_id", "base", "length", "mem_type", "perms", "shareable", "name")
+    __slots__ = ("engine", "node_id", "epoch", "segment_id", "base", "length", "mem_type", "perms", "shareable", "name", "allowed_engines")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class SegmentColumns(_message.Message):
     PERMS_FIELD_NUMBER: _ClassVar[int]
     SHAREABLE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_ENGINES_FIELD_NUMBER: _ClassVar[int]
     engine: str
     node_id: str
     epoch: int
@@ -99,7 +102,16 @@ class SegmentColumns(_message.Message):
     perms: _containers.RepeatedScalarFieldContainer[int]
     shareable: _containers.RepeatedScalarFieldContainer[bool]
     name: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., segment_id: _Optional[_Iterable[int]] = ..., base: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., mem_type: _Optional[_Iterable[int]] = ..., perms: _Optional[_Iterable[int]] = ..., shareable: _Optional[_Iterable[bool]] = ..., name: _Optional[_Iterable[str]] = ...) -> None: ...
+    allowed_engines: _containers.RepeatedCompositeFieldContainer[AllowList]
+    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., segment_id: _Optional[_Iterable[int]] = ..., base: _Optional[_Iterable[int]] = ..., length: _Optional[_Iterable[int]] = ..., mem_type: _Optional[_Iterable[int]] = ..., perms: _Optional[_Iterable[int]] = ..., shareable: _Optional[_Iterable[bool]] = ..., name: _Optional[_Iterable[str]] = ..., allowed_engines: _Optional[_Iterable[_Union[AllowList, _Mapping]]] = ...) -> None: ...
+
+class AllowList(_message.Message):
+    __slots__ = ("index", "engines")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SegmentEvent(_message.Message):
     __slots__ = ("kind", "epoch", "segments", "engines", "more", "columns")
@@ -130,30 +142,34 @@ class SegmentEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[SegmentEvent.Kind, str]] = ..., epoch: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., more: _Optional[bool] = ..., columns: _Optional[_Iterable[_Union[SegmentColumns, _Mapping]]] = ...) -> None: ...
 
 class AllocateSegmentRequest(_message.Message):
-    __slots__ = ("size", "perms", "name", "owner")
+    __slots__ = ("size", "perms", "name", "owner", "allowed_engines")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PERMS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_ENGINES_FIELD_NUMBER: _ClassVar[int]
     size: int
     perms: int
     name: str
     owner: str
-    def __init__(self, size: _Optional[int] = ..., perms: _Optional[int] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    allowed_engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, size: _Optional[int] = ..., perms: _Optional[int] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., allowed_engines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterSegmentRequest(_message.Message):
-    __slots__ = ("fd_ticket", "length", "perms", "name", "owner")
+    __slots__ = ("fd_ticket", "length", "perms", "name", "owner", "allowed_engines")
     FD_TICKET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     PERMS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_ENGINES_FIELD_NUMBER: _ClassVar[int]
     fd_ticket: str
     length: int
     perms: int
     name: str
     owner: str
-    def __init__(self, fd_ticket: _Optional[str] = ..., length: _Optional[int] = ..., perms: _Optional[int] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    allowed_engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, fd_ticket: _Optional[str] = ..., length: _Optional[int] = ..., perms: _Optional[int] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., allowed_engines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SegmentReply(_message.Message):
     __slots__ = ("segment",)

@@ -63,14 +63,16 @@ class MountSegmentRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[_Union[StoreSegment, _Mapping]] = ...) -> None: ...
 
 class MountSegmentReply(_message.Message):
-    __slots__ = ("code", "message", "restored_objects")
+    __slots__ = ("code", "message", "restored_objects", "fast_port")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RESTORED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    FAST_PORT_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     restored_objects: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., restored_objects: _Optional[int] = ...) -> None: ...
+    fast_port: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., restored_objects: _Optional[int] = ..., fast_port: _Optional[int] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("client_id", "engine", "segment_id")
@@ -99,7 +101,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("status", "client_ttl_ms")
+    __slots__ = ("status", "client_ttl_ms", "fast_port")
     class ClientStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         UNDEFINED: _ClassVar[HeartbeatReply.ClientStatus]
@@ -110,9 +112,11 @@ class HeartbeatReply(_message.Message):
     NEED_REMOUNT: HeartbeatReply.ClientStatus
     STATUS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    FAST_PORT_FIELD_NUMBER: _ClassVar[int]
     status: HeartbeatReply.ClientStatus
     client_ttl_ms: int
-    def __init__(self, status: _Optional[_Union[HeartbeatReply.ClientStatus, str]] = ..., client_ttl_ms: _Optional[int] = ...) -> None: ...
+    fast_port: int
+    def __init__(self, status: _Optional[_Union[HeartbeatReply.ClientStatus, str]] = ..., client_ttl_ms: _Optional[int] = ..., fast_port: _Optional[int] = ...) -> None: ...
 
 class SoftPin(_message.Message):
     __slots__ = ()

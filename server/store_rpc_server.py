@@ -1,0 +1,298 @@
+"""hixl-master's store call endpoint: the hot store calls over a plain socket.
+
+The client side and the reasons are in `hixl.store_rpc`. One thread of blocking I/O per
+connection (as the agent's data server): read a frame, check it with the sans-IO
+`wire.CallServerProtocol` (handshake and cluster token first: nothing is served before
+it), run the method through the same `StoreCalls` the gRPC servicer uses, send the
+reply. The store's calls may wait for the journal's fsync; each connection waits on its
+own thread, and concurrent commits share an fsync (the journal's group commit).
+
+A call that fails as a call (a request that does not parse, an internal error) is
+answered with error text, logged once under the caller's request id, and the connection
+stays open. Timeouts: an idle connection may wait for its next call indefinitely; once a
+frame has begun, a stall longer than `io_timeout` closes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+import threading
+import time
+
+from google.protobuf.message import DecodeError
+
+from hixl import wire
+from hixl.errors import ConfigError, HixlError
+from hixl.logs import request_context, valid_request_id
+from hixl.server.store_service import StoreCalls
+from hixl.store_rpc import MESSAGES, METHODS
+from hixl.transports.tcp import tune_socket
+
+log = logging.getLogger("hixl.store.rpc")
+
+_RECEIVE = 64 << 10  # a connection's receive buffer: most calls arrive in one recv
+_STOP_WAIT = 5.0
+
+
+class _Stalled(Exception):
+    """A frame stopped half-way for longer than io_timeout."""
+
+
+class _PeerGone(Exception):
+    """EOF from the client."""
+
+
+class StoreCallServer:
+    """Serves `METHODS` of `calls` on host:port (0: a free port) until stop()."""
+
+    def __init__(self, calls: StoreCalls, host: str = "127.0.0.1", port: int = 0, *,
+                 cluster_token: bytes | None = None, max_connections: int = 1024,
+                 io_timeout: float = 30.0) -> None:
+        self._calls = calls
+        self._host = host
+        self._port = port
+        self._token = cluster_token
+        self._max_connections = max_connections
+        self._io_timeout = io_timeout
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._live: dict[socket.socket, threading.Thread] = {}
+        self._stopping = False
+        #: connections accepted, turned away (over max_connections), closed for a bad
+        #: frame or a stall, refused for a wrong or missing token; calls served
+        self.counters = dict.fromkeys(("connections", "connections_rejected",
+                                       "protocol_errors", "auth_failures", "calls"), 0)
+
+    @property
+    def port(self) -> int:
+        """The port bound (after start)."""
+        return self._port
+
+    @property
+    def live_connections(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"store call endpoint: cannot bind {self._host}:{self._port}: "
+                              f"{exc.strerror or exc}") from None
+        self._listener = sock
+        self._port = sock.getsockname()[1]
+        self._acceptor = threading.Thread(target=self._accept_loop, args=(sock,), daemon=True,
+                                          name="hixl-store-rpc-accept")
+        self._acceptor.start()
+        log.info("store call endpoint on %s:%d", self._host, self._port)
+
+    def stop(self) -> None:
+        """Close the listener and every connection; wait (bounded) for the threads."""
+        self._stopping = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor blocked in accept()
+            listener.close()
+        with self._lock:
+            live = list(self._live.items())
+        for sock, _ in live:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and closes the fd
+        deadline = time.monotonic() + _STOP_WAIT
+        threads = [t for t in (self._acceptor,) if t is not None] + [t for _, t in live]
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("store call endpoint thread %s did not stop in time", thread.name)
+
+    def __enter__(self) -> StoreCallServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while not self._stopping:
+            try:
+                sock, peer = listener.accept()
+            except OSError as exc:
+                if self._stopping:
+                    return
+                log.warning("store call endpoint: accept failed: %s", exc)  # e.g. EMFILE
+                time.sleep(0.05)
+                continue
+            thread: threading.Thread | None = None
+            with self._lock:  # decided once, so stop() never misses a thread
+                full = len(self._live) >= self._max_connections
+                if full:
+                    self.counters["connections_rejected"] += 1
+                elif not self._stopping:
+                    self.counters["connections"] += 1
+                    thread = threading.Thread(target=self._serve, args=(sock, peer),
+                                              daemon=True, name="hixl-store-rpc-conn")
+                    self._live[sock] = thread
+                    thread.start()
+            if thread is None:
+                if full:
+                    log.warning("store call endpoint: turning a connection away, %d live is "
+                                "the maximum", self._max_connections)
+                sock.close()
+
+    def _serve(self, sock: socket.socket, peer: object) -> None:
+        try:
+            sock.settimeout(None)  # blocking; stalls are bounded by the kernel timeouts
+            tune_socket(sock)
+            seconds = int(self._io_timeout)
+            timeval = struct.pack("ll", seconds, int((self._io_timeout - seconds) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            _Connection(self, sock).run()
+        except (_PeerGone, ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
+            log.debug("store call connection from %s closed by the peer", peer)
+        except _Stalled as exc:
+            self._count("protocol_errors")
+            log.debug("store call connection from %s: %s", peer, exc)
+        except Exception:
+            self._count("protocol_errors")
+            log.warning("store call connection from %s failed", peer, exc_info=True)
+        finally:
+            with self._lock:
+                self._live.pop(sock, None)
+            sock.close()
+
+
+class _Connection:
+    """The frame loop of one connection (in its own thread)."""
+
+    def __init__(self, server: StoreCallServer, sock: socket.socket) -> None:
+        self.server = server
+        self.sock = sock
+        self.proto = wire.CallServerProtocol(METHODS, server._token)
+        self.buffer = bytearray(_RECEIVE)
+        self.view = memoryview(self.buffer)
+        self.start = 0  # unread bytes are buffer[start:end]
+        self.end = 0
+
+    def run(self) -> None:
+        proto = self.proto
+        while True:
+            header = self._take(wire.HEADER_SIZE, idle=True)
+            action = proto.on_header(header)
+            if isinstance(action, wire.ReadCall):
+                self._send(self._call(action, self._take(action.count)))
+            elif isinstance(action, wire.ReadHello):
+                action = proto.on_hello(action.request_id, bytes(self._take(action.count)))
+                if isinstance(action, wire.Send):
+                    self._send(action.reply)
+                else:
+                    self._close(action)
+                    return
+            elif isinstance(action, wire.Discard):
+                self._take(action.count)
+                self._send(action.reply)
+            elif isinstance(action, wire.Send):
+                self._send(action.reply)
+            else:
+                assert isinstance(action, wire.Close)
+                self._close(action)
+                return
+
+    def _call(self, action: wire.ReadCall, payload: memoryview) -> bytes:
+        """Run one CALL; the reply frame (the reply message, or why the call failed)."""
+        method, caller_id, message = self.proto.split(action, payload)
+        request_type, _ = MESSAGES[method]
+        rid = action.request_id
+        with request_context(valid_request_id(caller_id)):
+            try:
+                request = request_type.FromString(message)
+            except DecodeError as exc:
+                text = f"{method}: the request does not parse as {request_type.__name__}: {exc}"
+                log.warning("store call failed: %s", text)
+                return wire.error_reply(rid, wire.Reason.BAD_FRAME, text)
+            try:
+                reply = self.server._calls.handlers[method](request).SerializeToString()
+            except HixlError as exc:
+                log.warning("store call %s failed: %s", method, exc)
+                return wire.error_reply(rid, wire.Reason.INTERNAL, f"{method}: {exc}")
+            except Exception as exc:  # a bug must fail one call, not the connection
+                log.error("store call %s failed: internal error: %r", method, exc,
+                          exc_info=exc)
+                return wire.error_reply(rid, wire.Reason.INTERNAL,
+                                        f"{method}: internal error: {exc!r}")
+        self.server.counters["calls"] += 1
+        return wire.call_reply(rid, len(reply)) + reply
+
+    def _take(self, count: int, idle: bool = False) -> memoryview:
+        """The next `count` bytes of the stream. `idle`: the connection may wait for them
+        indefinitely while none has arrived (between calls); a stall mid-frame ends it."""
+        if self.end - self.start >= count:
+            start = self.start
+            self.start += count
+            return self.view[start:start + count]
+        if count > len(self.buffer):  # a large call: its own buffer
+            large = bytearray(count)
+            have = self.end - self.start
+            large[:have] = self.view[self.start:self.end]
+            self.start = self.end = 0
+            out = memoryview(large)
+            while have < count:
+                have += self._receive(out[have:], False)
+            return out
+        if self.start:  # keep the unread bytes at the front
+            have = self.end - self.start
+            self.buffer[:have] = bytes(self.view[self.start:self.end])  # may overlap
+            self.start, self.end = 0, have
+        while self.end < count:
+            self.end += self._receive(self.view[self.end:], idle and self.end == 0)
+        self.start = count
+        return self.view[:count]
+
+    def _receive(self, into: memoryview, idle: bool) -> int:
+        while True:
+            try:
+                got = self.sock.recv_into(into)
+            except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO passed
+                if idle and not self.server._stopping:
+                    continue
+                raise _Stalled(f"no bytes for {self.server._io_timeout:g} s in the middle "
+                               "of a frame") from None
+            if not got:
+                raise _PeerGone()
+            return got
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except (BlockingIOError, TimeoutError):
+            raise _Stalled("the client stopped reading replies") from None
+
+    def _close(self, action: wire.Close) -> None:
+        if self.proto.auth_refused:
+            self.server._count("auth_failures")
+            log.warning("store call connection refused: %s", action.reason)
+        else:
+            self.server._count("protocol_errors")
+            log.info("store call connection closed: %s", action.reason)
+        if action.reply:
+            with contextlib.suppress(OSError):
+                self.sock.sendall(action.reply)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
+
+__all__ = ["StoreCallServer"]
