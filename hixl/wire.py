@@ -216,7 +216,9 @@ def call_reply(request_id: int, message_length: int) -> bytes:
 
 
 def error_reply(request_id: int, reason: Reason, message: str) -> bytes:
+    # cut at MAX_ERROR_TEXT bytes, never inside a character: the text stays valid UTF-8
     text = message.encode("utf-8", "replace")[:MAX_ERROR_TEXT]
+    text = text.decode("utf-8", "ignore").encode("utf-8")
     return Header(Op.REPLY, request_id, length=len(text), status=_STATUS_FOR_REASON[reason],
                   reason=reason, flags=FLAG_ERROR_TEXT).pack() + text
 

@@ -14,6 +14,7 @@ runs it in the calling (main) thread with SIGTERM/SIGINT handlers — the hixl-a
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -21,6 +22,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,20 @@ from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2_grpc
 
 log = logging.getLogger("hixl.runtime")
+
+# Agents serving from a background thread (embedded in a client process). Stopped at exit:
+# a uvloop timer firing in a daemon thread after the interpreter is finalized segfaults,
+# and client code (e.g. Mooncake-style scripts) rarely closes its engines.
+_BACKGROUND: weakref.WeakSet[AgentServer] = weakref.WeakSet()
+EXIT_GRACE_S = 0.2
+
+
+@atexit.register
+def _stop_background_agents() -> None:
+    for server in list(_BACKGROUND):
+        with contextlib.suppress(Exception):
+            server.stop(EXIT_GRACE_S)
+
 
 START_TIMEOUT_S = 60.0  # pool segments are pre-faulted at start: large pools take a while
 
@@ -220,6 +236,7 @@ class AgentServer:
             raise ParamInvalid("this AgentServer was already started")
         self._thread = threading.Thread(target=self._run_loop, name="hixl-agent-loop",
                                         daemon=True)
+        _BACKGROUND.add(self)
         self._thread.start()
         if not self._ready.wait(timeout):
             self.stop()
@@ -246,6 +263,7 @@ class AgentServer:
         """Stop accepting, close everything, remove the socket files; idempotent."""
         self._grace = grace
         self._stop_requested = True  # seen by _main even before the loop exists
+        _BACKGROUND.discard(self)
         loop = self._loop
         if loop is not None and not self._done.is_set():
             with contextlib.suppress(RuntimeError):
@@ -408,10 +426,10 @@ class AgentServer:
         log.info("agent %s shutting down", self.engine_name or "(not started)")
         if self.metrics is not None:
             metrics, self.metrics = self.metrics, None
-            await asyncio.to_thread(metrics.close)
+            await _off_loop(metrics.close)
         if self.publisher is not None:
             publisher, self.publisher = self.publisher, None
-            await asyncio.to_thread(publisher.stop)
+            await _off_loop(publisher.stop)
             close = getattr(publisher.registry, "close", None)
             if callable(close) and publisher.registry is not self.registry:
                 with contextlib.suppress(Exception):
@@ -427,7 +445,7 @@ class AgentServer:
             self._fd = None
         if self._data is not None:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self._data.stop)
+                await _off_loop(self._data.stop)
             self._data = None
         self._tickets.close()
         if self.agent is not None:
@@ -436,6 +454,17 @@ class AgentServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._sockets.clear()
+
+
+async def _off_loop(fn: Callable[[], object]) -> None:
+    """Run a blocking stop step in a worker thread; inline once the interpreter is exiting
+    (the atexit stop of background agents), when executors refuse new work."""
+    try:
+        await asyncio.to_thread(fn)
+    except RuntimeError as exc:
+        if "interpreter shutdown" not in str(exc):
+            raise
+        fn()
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:

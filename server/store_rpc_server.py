@@ -7,10 +7,10 @@ it), run the method through the same `StoreCalls` the gRPC servicer uses, send t
 reply. The store's calls may wait for the journal's fsync; each connection waits on its
 own thread, and concurrent commits share an fsync (the journal's group commit).
 
-A call that fails as a call (a request that does not parse, an internal error) is
-answered with error text, logged once under the caller's request id, and the connection
-stays open. Timeouts: an idle connection may wait for its next call indefinitely; once a
-frame has begun, a stall longer than `io_timeout` closes it.
+A call that fails as a call (a request that does not parse, an internal error, a
+reply over wire.MAX_CALL) is answered with error text, logged once under the caller's
+request id, and the connection stays open. Timeouts: an idle connection may wait for its
+next call indefinitely; once a frame has begun, a stall longer than `io_timeout` closes it.
 """
 
 from __future__ import annotations
@@ -234,6 +234,11 @@ class _Connection:
                           exc_info=exc)
                 return wire.error_reply(rid, wire.Reason.INTERNAL,
                                         f"{method}: internal error: {exc!r}")
+            if len(reply) > wire.MAX_CALL:  # a frame this large breaks the client's codec
+                text = (f"{method}: the reply of {len(reply)} bytes exceeds the call "
+                        f"endpoint's limit of {wire.MAX_CALL}: ask for fewer keys per call")
+                log.warning("store call failed: %s", text)
+                return wire.error_reply(rid, wire.Reason.BAD_LENGTH, text)
         self.server.counters["calls"] += 1
         return wire.call_reply(rid, len(reply)) + reply
 

@@ -1,0 +1,51 @@
+"""An agent serving from a background thread is stopped when its process exits.
+
+Client processes embed agents (Engine("ip:port"), the Mooncake adapters) and often exit
+without closing them. The agent's uvloop runs in a daemon thread; a timer firing there
+after the interpreter is finalized crashed the process with SIGSEGV (seen about once in
+30 runs of tests/test_mooncake_te.py). An atexit hook now stops every background agent
+first: its loop is closed and its socket files are gone before finalization.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hixl.server import runtime
+from hixl.server.config import AgentConfig
+
+
+def _config(runtime_dir: Path) -> AgentConfig:
+    return AgentConfig(host="127.0.0.1", grpc_port=0, runtime_dir=str(runtime_dir),
+                       pool=[], log_level="WARNING")
+
+
+def test_the_exit_hook_stops_background_agents(tmp_path: Path) -> None:
+    server = runtime.AgentServer(_config(tmp_path / "run")).start()
+    try:
+        assert server in runtime._BACKGROUND
+        assert os.listdir(tmp_path / "run"), "the agent's sockets"
+        runtime._stop_background_agents()
+        assert server not in runtime._BACKGROUND
+        assert server._thread is not None and not server._thread.is_alive()
+        assert os.listdir(tmp_path / "run") == []
+    finally:
+        server.stop()
+
+
+def test_a_process_exiting_with_an_open_agent_stops_it_cleanly(tmp_path: Path) -> None:
+    script = f"""
+from hixl.server.runtime import AgentServer
+from hixl.server.config import AgentConfig
+AgentServer(AgentConfig(host="127.0.0.1", grpc_port=0, runtime_dir={str(tmp_path / 'run')!r},
+                        pool=[], log_level="WARNING")).start()
+print("serving", flush=True)
+"""  # and exits without stop()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "serving"
+    assert os.listdir(tmp_path / "run") == []  # stop() ran: it removes its socket files
