@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import numpy as np
 
@@ -271,14 +271,26 @@ class AgentProcess:
         return self.name
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_child(self.proc, how=lambda proc: proc.send_signal(signal.SIGTERM))
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def stop_child(proc: subprocess.Popen[str], grace_s: float = 10.0,
+               how: Callable[[subprocess.Popen[str]], None] | None = None) -> None:
+    """Stop a helper process this run started: ask (`how`; default: close its stdin, the
+    stop signal of our helpers), wait up to `grace_s`, then kill; never hangs."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        if how is not None:
+            how(proc)
+        elif proc.stdin is not None:
+            proc.stdin.close()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 # ---------------------------------------------------------------- raw socket baseline
@@ -420,14 +432,7 @@ class RawStreamServer(RawPeer):
         super().__init__(("127.0.0.1", int(line.split()[1])), unix_path)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_child(self.proc)
 
 
 class RawStreamClient:
@@ -558,7 +563,33 @@ class Progress:
             self._bar = None
 
 
-class Bench:
+_Run = TypeVar("_Run", bound="BenchRun")
+
+
+class BenchRun:
+    """What every benchmark run shares: processes and engines opened into one ExitStack by
+    `_open()` (all closed again if opening fails half way), and a progress bar."""
+
+    progress: Progress
+    _stack: contextlib.ExitStack
+
+    def __enter__(self: _Run) -> _Run:
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.progress.close()
+        self._stack.close()
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+
+class Bench(BenchRun):
     """The whole run: the agent, one engine per path, the remote segment, the baselines."""
 
     def __init__(self, config: BenchConfig, progress: IO[str] | None = None) -> None:
@@ -573,18 +604,6 @@ class Bench:
         self.cells: list[dict[str, Any]] = []
 
     # ---- set-up and tear-down
-
-    def __enter__(self) -> Bench:
-        try:
-            self._open()
-        except BaseException:
-            self._stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.progress.close()
-        self._stack.close()
 
     def _open(self) -> None:
         from hixl.client.engine import Engine

@@ -16,7 +16,6 @@ else aborts the cell.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import queue
 import subprocess
@@ -161,14 +160,9 @@ class TargetProcess:
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        from hixl.client.bench import stop_child
+
+        stop_child(self.proc)
 
 
 # ---------------------------------------------------------------- initiator (in the bench)

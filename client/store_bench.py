@@ -58,6 +58,7 @@ from hixl.client.bench import (
     KIB,
     MIB,
     BenchFailure,
+    BenchRun,
     Progress,
     Timing,
     format_rate,
@@ -65,6 +66,7 @@ from hixl.client.bench import (
     human_size,
     local_address_towards,
     page_aligned,
+    stop_child,
 )
 
 DEFAULT_SIZES = (64 * KIB, 1 * MIB, 8784 * KIB)
@@ -221,14 +223,7 @@ class HolderProcess:
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_child(self.proc, 15.0)
 
 
 def mooncake_store_unavailable() -> str | None:
@@ -375,7 +370,7 @@ class Side:
     segment: str = ""   # the holder's segment name, when this run started it
 
 
-class StoreBench:
+class StoreBench(BenchRun):
     """The whole run: masters, holders, both clients, the cells."""
 
     def __init__(self, config: StoreBenchConfig, progress: IO[str] | None = None) -> None:
@@ -390,18 +385,6 @@ class StoreBench:
         self._serial = 0
 
     # ---- set-up and tear-down
-
-    def __enter__(self) -> StoreBench:
-        try:
-            self._open()
-        except BaseException:
-            self._stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.progress.close()
-        self._stack.close()
 
     def _open(self) -> None:
         from hixl.client.registry_bench import MasterProcess

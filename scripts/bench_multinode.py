@@ -33,13 +33,11 @@ import argparse
 import itertools
 import json
 import os
-import queue
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from typing import IO, Any
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness is a dev tool, kept with tests
@@ -59,32 +57,13 @@ RUN_TIMEOUT_S = 3600.0
 
 
 def _ready_line(proc: subprocess.Popen[str], prefix: str, what: str) -> str:
-    """The first line of `proc`'s stdout starting with `prefix`, within the start timeout.
-
-    A thread reads the pipe (a selector would miss lines already in the text buffer);
-    it keeps draining it afterwards so the process never blocks on a full pipe.
-    """
+    """The first line of `proc`'s stdout starting with `prefix`, within the start timeout
+    (the pipe stays drained afterwards, so the process never blocks on it)."""
     assert proc.stdout is not None
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump(stream: IO[str]) -> None:
-        for line in stream:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=pump, args=(proc.stdout,), daemon=True).start()
-    deadline = time.monotonic() + netns.START_TIMEOUT_S
-    seen: list[str] = []
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            line = ""
-        if line.startswith(prefix):
-            return line.strip()
-        if not line:  # EOF or deadline
-            raise netns.HarnessError(f"{what} did not start: {' | '.join(seen[-5:])}")
-        seen.append(line.strip())
+    try:
+        return store_bench.wait_line(proc.stdout, prefix, what, netns.START_TIMEOUT_S)
+    except RuntimeError as exc:
+        raise netns.HarnessError(str(exc)) from None
 
 
 def _mooncake_wanted(config: bench.BenchConfig) -> str | None:

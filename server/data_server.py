@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from typing import NamedTuple
 from hixl import wire
 from hixl.errors import ConfigError
 from hixl.metrics import Traffic, TrafficTable
-from hixl.transports.tcp import Buffer, BufferQueue, tune_socket
+from hixl.transports.tcp import Buffer, BufferQueue, serve_blocking, tune_socket
 
 log = logging.getLogger("hixl.data")
 
@@ -272,12 +271,7 @@ class DataServer:
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
         try:
-            sock.settimeout(None)  # blocking; stalls are bounded by the kernel timeouts
-            tune_socket(sock)
-            seconds = int(self._io_timeout)
-            timeval = struct.pack("ll", seconds, int((self._io_timeout - seconds) * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            serve_blocking(sock, self._io_timeout)
             connection = _Connection(self, sock, peer)
             with self._lock:
                 self._connections[sock] = connection

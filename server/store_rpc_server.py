@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import struct
 import threading
 import time
 
@@ -29,7 +28,7 @@ from hixl.errors import ConfigError, HixlError
 from hixl.logs import request_context, valid_request_id
 from hixl.server.store_service import StoreCalls
 from hixl.store_rpc import MESSAGES, METHODS
-from hixl.transports.tcp import tune_socket
+from hixl.transports.tcp import serve_blocking
 
 log = logging.getLogger("hixl.store.rpc")
 
@@ -155,12 +154,7 @@ class StoreCallServer:
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
         try:
-            sock.settimeout(None)  # blocking; stalls are bounded by the kernel timeouts
-            tune_socket(sock)
-            seconds = int(self._io_timeout)
-            timeval = struct.pack("ll", seconds, int((self._io_timeout - seconds) * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            serve_blocking(sock, self._io_timeout)
             _Connection(self, sock).run()
         except (_PeerGone, ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
             log.debug("store call connection from %s closed by the peer", peer)

@@ -24,6 +24,7 @@ import math
 import operator
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -122,6 +123,18 @@ def tune_socket(sock: socket.socket) -> None:
         # capped by net.core.*mem_max, refused by odd kernels: the default still works
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, size)
+
+
+def serve_blocking(sock: socket.socket, io_timeout: float) -> None:
+    """An accepted server socket, tuned and blocking, where any stall longer than
+    `io_timeout` fails the call (SO_RCVTIMEO / SO_SNDTIMEO): a dead peer never holds a
+    serving thread forever, yet a healthy stream pays nothing per call for the deadline."""
+    sock.settimeout(None)
+    tune_socket(sock)
+    seconds = int(io_timeout)
+    timeval = struct.pack("ll", seconds, int((io_timeout - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def parse_address(address: str) -> tuple[str, socket.AddressFamily, str | tuple[str, int]]:
