@@ -184,20 +184,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         check_plot_target(args.plot)
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     report = bench.run_bench(config, sys.stderr if show_progress else None)
-    table_stream = sys.stderr if args.json == "-" else sys.stdout
-    print(bench.format_report(report), file=table_stream, flush=True)
-    if args.json:
-        text = json.dumps(report, indent=2)
-        if args.json == "-":
-            print(text, flush=True)
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
+    emit_report(bench.format_report(report), report, args.json)
     if args.plot:
         from hixl.client.bench_plot import plot_report
 
         plot_report(report, args.plot)
-        print(f"plot written to {args.plot}", file=table_stream, flush=True)
+        print(f"plot written to {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout,
+              flush=True)
     if args.check_targets and not all(t["met"] for t in report["targets"]):
         return EXIT_FAILED
     return 0
@@ -248,11 +241,11 @@ def run_bench_registry_command(args: argparse.Namespace) -> int:
         changes=args.changes, small_segments=args.small_segments, finds=args.finds,
         master=args.master, timeout=args.timeout)
     report = registry_bench.run_registry_bench(config, sys.stderr if args.progress else None)
-    _emit(registry_bench.format_registry_report(report), report, args.json)
+    emit_report(registry_bench.format_registry_report(report), report, args.json)
     return 0
 
 
-def _emit(table: str, report: dict[str, Any], json_target: str | None) -> None:
+def emit_report(table: str, report: dict[str, Any], json_target: str | None) -> None:
     """Print the table, and the JSON to a file or stdout ('-': the table goes to stderr)."""
     print(table, file=sys.stderr if json_target == "-" else sys.stdout, flush=True)
     if not json_target:
@@ -331,7 +324,7 @@ def run_bench_store_command(args: argparse.Namespace) -> int:
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     report = store_bench.run_store_bench(store_bench_config(args),
                                          sys.stderr if show_progress else None)
-    _emit(store_bench.format_store_report(report), report, args.json)
+    emit_report(store_bench.format_store_report(report), report, args.json)
     if args.check_targets and not all(t["met"] for t in report["targets"]):
         return EXIT_FAILED
     return 0
@@ -551,7 +544,7 @@ def run_soak_command(args: argparse.Namespace) -> int:
         keys=args.keys, call_timeout=args.call_timeout, grace=args.grace,
         master=args.master or "", agent_targets=args.agent, keep_logs=args.keep_logs)
     report = soak.run_soak(config, sys.stderr if args.progress else None)
-    _emit(soak.format_soak_report(report), report, args.json)
+    emit_report(soak.format_soak_report(report), report, args.json)
     return 0 if report["ok"] else EXIT_FAILED
 
 

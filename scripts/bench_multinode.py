@@ -324,14 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     report = result["bench"]
     table = store_bench.format_store_report(report) if ours.store else bench.format_report(report)
     text = table + "\n" + format_links(result) + format_ceiling(result)
-    print(text, file=sys.stderr if ours.json == "-" else sys.stdout, flush=True)
-    if ours.json:
-        blob = json.dumps(result, indent=2)
-        if ours.json == "-":
-            print(blob, flush=True)
-        else:
-            with open(ours.json, "w", encoding="utf-8") as f:
-                f.write(blob + "\n")
+    cli.emit_report(text, result, ours.json)
     if "--check-targets" in bench_args and not all(t["met"] for t in report["targets"]):
         return cli.EXIT_FAILED
     return 0
