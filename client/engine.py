@@ -760,13 +760,19 @@ class Engine:
     # ------------------------------------------------------------------ transfers
 
     def transfer(self, remote: str, op: TransferOp, descs: Sequence[TransferOpDesc | tuple[int, int, int]],
-                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout: float = DEFAULT_TIMEOUT_S, *, local_registered: bool = True) -> None:
         """Run a batch of ops in one direction; returns when every byte has moved.
 
         READ copies remote memory into local memory, WRITE local into remote. Raises a
         HixlError subclass; `.failed` lists the indexes of ops that did not complete.
         A completed call counts its ops, bytes and time in `traffic` (its path and
         direction), a failed one its status in that path's errors.
+
+        `local_registered=False`: the local side is memory the caller itself owns and
+        keeps alive for the call (writable for a READ), so it need not be registered.
+        For adapters moving Python objects (the store's put of a bytes value, its get
+        into a new bytes object): without it they would stage every byte through
+        registered memory, a second copy.
         """
         start = _monotonic()
         deadline = start + timeout if type(timeout) is float and timeout > 0 \
@@ -774,7 +780,7 @@ class Engine:
         peer = self._peers.get(remote) or self._peer(remote)
         if op is not _WRITE and op is not _READ:
             op = _check_op(op)
-        fabric_items, socket_items, nbytes = self._resolve(peer, op, descs)
+        fabric_items, socket_items, nbytes = self._resolve(peer, op, descs, local_registered)
         # _move, inlined: this is the per-call overhead a 1 MiB fabric copy (~23 µs) pays
         if fabric_items:
             try:
@@ -834,9 +840,10 @@ class Engine:
         return peer.socket
 
     def _resolve(self, peer: _Peer, op: TransferOp, descs: Sequence[Any],
-                 ) -> tuple[list[Item], list[Item], int]:
+                 local_registered: bool = True) -> tuple[list[Item], list[Item], int]:
         """Check every op against both tables before any byte moves; split by path.
-        Returns (fabric items, socket items, bytes in all).
+        Returns (fabric items, socket items, bytes in all). `local_registered=False`
+        skips the local table (see transfer).
 
         Hot path (300k+ ops/s): consecutive ops usually stay in one local region and one
         remote segment, so those ranges are kept in locals and looked up again only when
@@ -852,7 +859,8 @@ class Engine:
         writing = op is _WRITE
         need = _NEED_WRITE if writing else _NEED_READ
         # ranges that the previous call resolved: checked again below, looked up only on a miss
-        l_base, l_end, l_readonly = self._local_hint
+        l_base, l_end, l_readonly = self._local_hint if local_registered \
+            else (0, MAX_ADDRESS, False)
         segment = peer.hint
         r_base = r_end = 0
         if segment is not None and int(segment.perms) & need:
@@ -886,7 +894,8 @@ class Engine:
                 items = fabric_items if peer.fabric is not None and segment.shareable else socket_items
             items.append(Item(index, local_addr, segment, remote_addr, length))  # type: ignore[arg-type]
             nbytes += length
-        self._local_hint = (l_base, l_end, l_readonly)
+        if local_registered:
+            self._local_hint = (l_base, l_end, l_readonly)
         peer.hint = segment
         return fabric_items, socket_items, nbytes
 

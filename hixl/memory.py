@@ -8,9 +8,13 @@ so the kernel itself refuses a writable mapping.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,106 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 def round_up(n: int, to: int = PAGE_SIZE) -> int:
     return (n + to - 1) // to * to
+
+
+_bytes_from_size = ctypes.pythonapi.PyBytes_FromStringAndSize
+_bytes_from_size.restype = ctypes.py_object
+_bytes_from_size.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype = ctypes.c_void_p
+_bytes_data.argtypes = (ctypes.py_object,)
+
+
+def new_bytes(size: int) -> tuple[bytes, int]:
+    """A new `bytes` of `size` bytes not yet written, and the address of its data.
+
+    The C API lets the creator of PyBytes_FromStringAndSize(NULL, n) fill it before
+    anyone else sees it: a value read from a peer lands straight in the object returned
+    to the caller, instead of in a buffer that is then copied into a new bytes. The
+    caller must write all `size` bytes before letting the object out (or drop it).
+    """
+    if size < 0:
+        raise ParamInvalid(f"size must be >= 0, got {size}")
+    value = _bytes_from_size(None, size)
+    return value, (_bytes_data(value) if size else 0)
+
+
+# Parallel copies. One thread's memcpy tops out near 7-12 GB/s on a VM core; two threads
+# on two cores do 10-15 GB/s (measured: an 8784 KiB block into a mapped memfd, 12 -> 15
+# GB/s). A hand-off to a worker costs ~20-50 µs, so only copies of PARALLEL_COPY_MIN bytes
+# or more are split, in pieces of at least _COPY_PIECE_MIN. ctypes.memmove releases the
+# GIL, so the workers copy while the calling thread copies its own share.
+PARALLEL_COPY_MIN = 2 << 20
+_COPY_PIECE_MIN = 1 << 20
+COPY_THREADS = max(1, min(os.cpu_count() or 1, 4))
+_memmove = ctypes.memmove
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+Move = tuple[int, int, int]  # (destination address, source address, length)
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _copy_pool
+    if _copy_pool is None:
+        with _copy_pool_lock:
+            if _copy_pool is None:
+                _copy_pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="hixl-copy")
+    return _copy_pool
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: start a new pool when needed."""
+    global _copy_pool, _copy_pool_lock
+    _copy_pool, _copy_pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _run_moves(moves: Sequence[Move]) -> None:
+    for dst, src, length in moves:
+        _memmove(dst, src, length)
+
+
+def split_moves(moves: Sequence[Move], shares: int) -> list[list[Move]]:
+    """Cut `moves` into `shares` lists of about equal bytes, in order, splitting a move
+    where a share ends (every byte copied exactly once)."""
+    total = sum(length for _, _, length in moves)
+    target = -(-total // shares)
+    out: list[list[Move]] = [[]]
+    room = target
+    for dst, src, length in moves:
+        while length:
+            if not room:
+                out.append([])
+                room = target
+            take = min(length, room)
+            out[-1].append((dst, src, take))
+            dst, src, length, room = dst + take, src + take, length - take, room - take
+    return out
+
+
+def copy_moves(moves: Sequence[Move], total: int | None = None) -> None:
+    """memmove every (dst, src, length); large totals on several threads at once.
+
+    Moves must not overlap each other (they are copied in parallel); each move alone may
+    (memmove). Returns when every byte is copied; a worker's exception is re-raised.
+    """
+    if total is None:
+        total = sum(length for _, _, length in moves)
+    shares = min(COPY_THREADS, total // _COPY_PIECE_MIN) if total >= PARALLEL_COPY_MIN else 1
+    if shares <= 1:
+        _run_moves(moves)
+        return
+    first, *rest = split_moves(moves, shares)
+    pool = _pool()
+    futures: list[Future[None]] = [pool.submit(_run_moves, share) for share in rest]
+    try:
+        _run_moves(first)
+    finally:
+        for future in futures:
+            future.result()
 
 
 @dataclass

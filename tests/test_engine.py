@@ -32,7 +32,7 @@ from hixl import (
     TransferStatus,
 )
 from hixl.client.agent_client import FdClient
-from hixl.memory import Mapping
+from hixl.memory import PARALLEL_COPY_MIN, Mapping, new_bytes
 
 WORKER = os.path.join(os.path.dirname(__file__), "helpers", "engine_worker.py")
 POOL_RW = 4 << 20
@@ -140,6 +140,32 @@ def test_put_get_random_offsets_single_batched_sync_async(node, fabric: str) -> 
             assert out.tobytes() == src[:4096].tobytes()
 
         asyncio.run(round_trip())
+
+
+@FABRIC
+def test_unregistered_local_memory_only_with_the_opt_in(node, fabric: str) -> None:
+    """Adapters moving Python objects skip registration explicitly (local_registered=False);
+    everyone else is still refused before a byte moves. The blocks are large enough for
+    the fabric path's parallel copy, and unaligned on both sides."""
+    size = PARALLEL_COPY_MIN + (1 << 20) + 4097
+    with Engine("127.0.0.1", {"EnableUseFabricMem": fabric}) as engine:
+        engine.connect(node.engine, timeout=10)
+        kv = pool_segment(engine, node.engine, "kv")
+        before = snapshot(engine, node.engine, kv)
+        value = pattern(9, size).tobytes()  # a bytes object: never registered
+        addr = np.frombuffer(value, np.uint8).ctypes.data
+        with pytest.raises(OutOfRange, match="must be registered"):
+            engine.transfer(node.engine, TransferOp.WRITE, [(addr, kv.base + 3, size)])
+        assert snapshot(engine, node.engine, kv) == before
+        engine.transfer(node.engine, TransferOp.WRITE, [(addr, kv.base + 3, size)],
+                        local_registered=False)
+        after = snapshot(engine, node.engine, kv)
+        assert after[3:3 + size] == value
+        assert after[:3] == before[:3] and after[3 + size:] == before[3 + size:]
+        out, out_addr = new_bytes(size)
+        engine.transfer(node.engine, TransferOp.READ, [(out_addr, kv.base + 3, size)],
+                        local_registered=False)
+        assert out == value
 
 
 @FABRIC

@@ -21,9 +21,12 @@ How it works (see docs/architecture.md §10):
   once on other segments, so a dead client's segment does not fail other clients' puts.
 - get: GetReplicas (grants a read lease) -> read from the nearest replica, falling back
   to the next one on failure.
-- Python bytes pass through `local_buffer_size` of registered staging memory;
-  `put_from` / `get_into` move bytes straight from / into buffers the caller registered
-  with `register_buffer` (required, and checked: an unregistered buffer is refused).
+- Bytes move once: `put` sends a value straight from the caller's object and `get`
+  reads straight into the new `bytes` it returns (no staging buffer, so
+  `local_buffer_size` is accepted and checked but reserves nothing); `put_from` /
+  `get_into` move bytes straight from / into buffers the caller registered with
+  `register_buffer` (required, and checked: an unregistered buffer is refused). Large
+  copies on this node run on several threads (`hixl.memory.copy_moves`).
 
 Deliberate differences from Mooncake: setup() with no master fails within its timeout
 (default 5 s) instead of blocking 90 s; a master restart loses no committed key (the
@@ -45,7 +48,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,9 +57,9 @@ from hixl.client.engine import Engine, MemHandle, parse_engine_name
 from hixl.control import node_identity
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
 from hixl.logs import log_failure
-from hixl.memory import ShmSegment, buffer_range
+from hixl.memory import ShmSegment, buffer_range, copy_moves, new_bytes
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM
-from hixl.server.store import MAX_REPLICAS, OffsetAllocator
+from hixl.server.store import MAX_REPLICAS
 from hixl.store_client import (
     ClientStatus,
     GetReplicasResult,
@@ -95,7 +98,7 @@ SETUP_TIMEOUT_ENV = "HIXL_STORE_SETUP_TIMEOUT"     # default: the master timeout
 TRANSFER_TIMEOUT_ENV, DEFAULT_TRANSFER_TIMEOUT_S = "MC_TRANSFER_TIMEOUT", 30.0
 CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S = "MC_HANDSHAKE_CONNECT_TIMEOUT", 5.0
 
-SEGMENT_NAME, STAGING_NAME, SCRATCH_NAME = "mooncake:store", "mooncake:staging", "mooncake:scratch"
+SEGMENT_NAME = "mooncake:store"
 SETUP_RETRY_S = 0.1                          # between mount attempts while setup waits
 LOST_MASTER_POLL_S = 0.2                     # heartbeat period while the master is away
 MAX_HEARTBEAT_S = 1.0                        # a restarted master is noticed within this
@@ -394,22 +397,6 @@ def _engine_name(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
-    """Indexes of `sizes` in runs whose total fits `limit` (an oversized one alone)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for index, size in enumerate(sizes):
-        if current and total + size > limit:
-            groups.append(current)
-            current, total = [], 0
-        current.append(index)
-        total += size
-    if current:
-        groups.append(current)
-    return groups
-
-
 # ---------------------------------------------------------------------------- the store
 
 
@@ -439,10 +426,6 @@ class MooncakeDistributedStore:
         self._segment_local = False           # the segment is memory of this process
         self._segment_shm: ShmSegment | None = None
         self._segment_handle: MemHandle | None = None
-        self._staging: ShmSegment | None = None
-        self._staging_handle: MemHandle | None = None
-        self._staging_alloc: OffsetAllocator | None = None
-        self._staging_lock = threading.Lock()
         self._buffers: AddressTable[MemHandle] = AddressTable()
         self._verified: set[tuple[str, int, int]] = set()
         self._suspects: dict[str, float] = {}    # engine -> monotonic time to forget it
@@ -634,10 +617,9 @@ class MooncakeDistributedStore:
                 self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                    name="hixl-store-heartbeat")
                 self._heartbeat.start()
-            log.info("Mooncake store client %s: segment %s, staging %d bytes, master %s",
+            log.info("Mooncake store client %s: segment %s, master %s",
                      self._hostname, f"{self._segment.length} bytes" if self._segment
-                     else "none (pure client)", self._staging.length if self._staging else 0,
-                     settings.master)
+                     else "none (pure client)", settings.master)
             return OK
 
     @staticmethod
@@ -681,10 +663,6 @@ class MooncakeDistributedStore:
         engine = self._engine
         assert engine is not None
         self._hostname = engine.name
-        if settings.local_buffer_size:
-            self._staging = engine.malloc(settings.local_buffer_size)
-            self._staging_handle = engine.register(self._staging, name=STAGING_NAME)
-            self._staging_alloc = OffsetAllocator(self._staging.length)
         size = settings.global_segment_size
         if not size:
             return
@@ -820,15 +798,13 @@ class MooncakeDistributedStore:
             if self._own_engine:
                 engine.close()
             else:
-                for handle in (self._segment_handle, self._staging_handle,
-                               *(h for _, _, h in self._buffers)):
+                for handle in (self._segment_handle, *(h for _, _, h in self._buffers)):
                     if handle is not None and handle.registered:
                         with contextlib.suppress(HixlError):
                             engine.deregister(handle)
-                for shm in (self._segment_shm, self._staging):
-                    if shm is not None:
-                        with contextlib.suppress(HixlError):
-                            engine.free(shm)
+                if self._segment_shm is not None:
+                    with contextlib.suppress(HixlError):
+                        engine.free(self._segment_shm)
         self._engine = self._master = self._segment = None
         self._buffers = AddressTable()
 
@@ -892,35 +868,6 @@ class MooncakeDistributedStore:
         hit = self._buffers.lookup(addr)
         return hit is not None and addr + size <= hit[1]   # (base, end, handle)
 
-    @contextlib.contextmanager
-    def _scratch(self, size: int) -> Iterator[int]:
-        """`size` bytes of registered memory: from the staging buffer, else a temporary one."""
-        engine, _ = self._require()
-        offset = None
-        if self._staging is not None and self._staging_alloc is not None:
-            with self._staging_lock:
-                offset = self._staging_alloc.allocate(size)
-        if offset is not None:
-            assert self._staging is not None and self._staging_alloc is not None
-            try:
-                yield self._staging.addr + offset
-            finally:
-                with self._staging_lock:
-                    self._staging_alloc.free(offset)
-            return
-        shm = engine.malloc(size)
-        try:
-            handle = engine.register(shm, name=SCRATCH_NAME)
-            try:
-                yield shm.addr
-            finally:
-                engine.deregister(handle)
-        finally:
-            engine.free(shm)
-
-    def _staging_limit(self) -> int:
-        return self._staging.length if self._staging is not None else 1 << 30
-
     # ------------------------------------------------------------ targets and transfers
 
     def _connect(self, target: str) -> Engine:
@@ -963,7 +910,10 @@ class MooncakeDistributedStore:
             try:
                 engine = self._connect(target)
                 self._verify(engine, target, list(batch.replicas.values()))
-                engine.transfer(target, op, batch.descs, self._transfer_timeout)
+                # local memory is checked here (register_buffer) or is a Python object
+                # this call holds: the engine need not look it up again
+                engine.transfer(target, op, batch.descs, self._transfer_timeout,
+                                local_registered=False)
                 return
             except (PeerUnavailable, StaleEpoch, NotConnected) as exc:
                 self._drop(target)
@@ -1101,32 +1051,15 @@ class MooncakeDistributedStore:
 
     def _write(self, jobs: list[tuple[_Item, PutStartResult]],
                ) -> dict[int, tuple[str, str]]:
-        """Copy each item's bytes into all its replicas; item index -> (target, why)."""
-        failed: dict[int, tuple[str, str]] = {}
+        """Copy each item's bytes into all its replicas, straight from the caller's
+        memory (a registered buffer or the value object itself); item index -> (target,
+        why)."""
+        copy_moves([(replica.addr + offset, addr, length)
+                    for item, result in jobs for replica in result.replicas
+                    if self._is_local(replica) for addr, offset, length in item.pieces])
         remote = [(item, result) for item, result in jobs
                   if any(not self._is_local(r) for r in result.replicas)]
-        for item, result in jobs:
-            for replica in result.replicas:
-                if self._is_local(replica):
-                    for addr, offset, length in item.pieces:
-                        ctypes.memmove(replica.addr + offset, addr, length)
-        staged = [(item, result) for item, result in remote if item.keepalive is not None]
-        direct = [(item, result) for item, result in remote if item.keepalive is None]
-        if direct:
-            failed.update(self._write_remote(direct))
-        for group in _groups([i.size for i, _ in staged], self._staging_limit()):
-            chunk = [staged[g] for g in group]
-            with self._scratch(sum(i.size for i, _ in chunk)) as base:
-                moved = []
-                offset = 0
-                for item, result in chunk:
-                    for addr, value_offset, length in item.pieces:
-                        ctypes.memmove(base + offset + value_offset, addr, length)
-                    moved.append((_Item(item.index, item.key, item.size,
-                                        [(base + offset, 0, item.size)]), result))
-                    offset += item.size
-                failed.update(self._write_remote(moved))
-        return failed
+        return self._write_remote(remote) if remote else {}
 
     def _write_remote(self, jobs: list[tuple[_Item, PutStartResult]],
                       ) -> dict[int, tuple[str, str]]:
@@ -1237,17 +1170,19 @@ class MooncakeDistributedStore:
         round_ = 0
         while todo:
             batches: dict[str, _Batch] = {}
+            local: list[tuple[int, int, int]] = []
             for job, _, pieces in todo:
                 replica = order[job][round_]
                 if self._is_local(replica):
-                    for addr, offset, length in pieces:
-                        ctypes.memmove(addr, replica.addr + offset, length)
+                    local.extend((addr, replica.addr + offset, length)
+                                 for addr, offset, length in pieces)
                     continue
                 batch = batches.setdefault(replica.engine, _Batch())
                 batch.replicas[(replica.segment_id, replica.epoch)] = replica
                 for addr, offset, length in pieces:
                     batch.descs.append(TransferOpDesc(addr, replica.addr + offset, length))
                     batch.owners.append(job)
+            copy_moves(local)
             errors = self._run(TransferOp.READ, batches)
             round_ += 1
             retry = []
@@ -1262,40 +1197,29 @@ class MooncakeDistributedStore:
         return failed
 
     def _get_objects(self, what: str, keys: Sequence[Any],
-                     finish: Callable[[int, int], Any], empty: Any) -> list[Any]:
-        """Values for Python: `finish(addr, size)` builds each result from memory holding
-        it (a local replica, or scratch); failures give `empty`, logged once."""
+                     make: Callable[[int], tuple[Any, int]], empty: Any) -> list[Any]:
+        """Values for Python: `make(size)` returns a new object and the address of its
+        memory, and the value is read straight into it from the nearest replica (one
+        copy); failures give `empty`, logged once."""
         found = self._locate(keys)
         out: list[Any] = [empty] * len(keys)
         codes = [0] * len(keys)
         reasons: dict[int, str] = {}
-        remote: list[int] = []
+        made: dict[int, Any] = {}
+        jobs = []
         for index, result in enumerate(found):
             if isinstance(result, tuple):
                 codes[index], reasons[index] = result
                 continue
-            local = next((r for r in result.replicas if self._is_local(r)), None)
-            if local is not None:
-                out[index] = finish(local.addr, result.size)
+            made[index], addr = make(result.size)
+            if result.size:
+                jobs.append((index, result, [(addr, 0, result.size)]))
+        failed = self._read(jobs) if jobs else {}
+        for index, value in made.items():
+            if index in failed:
+                codes[index], reasons[index] = ErrorCode.TRANSFER_FAIL, failed[index]
             else:
-                remote.append(index)
-        sizes = [found[i].size for i in remote]  # type: ignore[union-attr]
-        for group in _groups(sizes, self._staging_limit()):
-            chosen = [remote[g] for g in group]
-            with self._scratch(sum(sizes[g] for g in group)) as base:
-                jobs, offset, places = [], 0, {}
-                for index in chosen:
-                    result = found[index]
-                    assert isinstance(result, GetReplicasResult)
-                    jobs.append((index, result, [(base + offset, 0, result.size)]))
-                    places[index] = base + offset
-                    offset += result.size
-                failed = self._read(jobs)
-                for index in chosen:
-                    if index in failed:
-                        codes[index], reasons[index] = ErrorCode.TRANSFER_FAIL, failed[index]
-                    else:
-                        out[index] = finish(places[index], found[index].size)  # type: ignore[union-attr]
+                out[index] = value
         self._report(what, keys, codes, reasons)
         return out
 
@@ -1488,7 +1412,7 @@ class MooncakeDistributedStore:
         """Values in order; b"" for each key that could not be read."""
         def run() -> list[bytes]:
             return self._get_objects("get_batch" if len(keys) != 1 else "get", keys,
-                                     lambda addr, size: ctypes.string_at(addr, size), b"")
+                                     new_bytes, b"")
         result = self._guard("get_batch", run, failure=False)
         return [b""] * len(keys) if result is False else result
 
@@ -1497,11 +1421,9 @@ class MooncakeDistributedStore:
         return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
-        def handle(addr: int, size: int) -> BufferHandle:
+        def handle(size: int) -> tuple[BufferHandle, int]:
             out = BufferHandle(size)
-            if size:
-                ctypes.memmove(out.ptr(), addr, size)
-            return out
+            return out, out.ptr()
 
         def run() -> list[BufferHandle | None]:
             return self._get_objects("get_buffer" if len(keys) == 1 else "batch_get_buffer",

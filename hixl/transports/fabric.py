@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from hixl.errors import HixlError, NotConnected, PeerUnavailable, TransferTimeout
-from hixl.memory import Mapping
+from hixl.memory import PARALLEL_COPY_MIN, Mapping, copy_moves
 from hixl.transports.base import Item, Transport
 from hixl.types import Perm, SegmentInfo, TransferOp
 
@@ -71,6 +71,9 @@ class FabricTransport(Transport):
             raise NotConnected(f"fabric path to {self._peer} is closed")
         writing = op is _WRITE
         segment, delta = self._last  # the segment the previous call ended in, and its delta
+        if len(items) <= 64 and sum(item.length for item in items) >= PARALLEL_COPY_MIN:
+            self._copy_large(writing, items)  # a few large ops: copied on several threads
+            return
         done = 0
         try:
             for item in items:
@@ -89,6 +92,28 @@ class FabricTransport(Transport):
             if not exc.failed:
                 exc.failed = [it.index for it in items[done:]]
             raise
+        self._check_alive(items)
+
+    def _copy_large(self, writing: bool, items: Sequence[Item]) -> None:
+        """A few ops of many bytes in all: one parallel copy (hixl.memory.copy_moves), then
+        the owner liveness check. The copy is bounded memory work, so the deadline is not
+        polled inside it."""
+        moves = []
+        try:
+            for item in items:
+                delta = self.mapping_delta(item.segment)
+                remote = item.remote_addr + delta
+                moves.append((remote, item.local_addr, item.length) if writing
+                             else (item.local_addr, remote, item.length))
+        except HixlError as exc:
+            if not exc.failed:
+                exc.failed = [it.index for it in items]
+            raise
+        self._last = (items[-1].segment, delta)
+        copy_moves(moves)
+        self._check_alive(items)
+
+    def _check_alive(self, items: Sequence[Item]) -> None:
         if not self._alive():
             raise PeerUnavailable(
                 f"the agent owning {self._peer}'s segments died during the transfer; "
