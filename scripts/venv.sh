@@ -14,7 +14,7 @@ hixl_ensure_venv() {
         echo "creating $venv with $("$python" --version 2>&1)" >&2
         "$python" -m venv --clear "$venv"
     fi
-    local extras=${HIXL_EXTRAS:-test}  # CI adds "mooncake" to measure against it
+    local extras=${HIXL_EXTRAS:-test}  # CI adds "mooncake" and "torch" to measure against them
     local want
     want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1) $extras"
     if [[ ! -f $stamp || $(<"$stamp") != "$want" ]]; then

@@ -52,7 +52,6 @@ import json
 import logging
 import os
 import random
-import re
 import secrets
 import struct
 import threading
@@ -63,6 +62,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import regex
 
 from hixl.errors import ConfigError
 from hixl.registry_client import EngineEndpoints
@@ -97,9 +98,43 @@ MAX_SOFT_PIN_TTL_MS = 24 * 3600 * 1000       # Mooncake's cap
 MAX_U64 = (1 << 64) - 1
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
 MAX_LIST_KEYS = 10_000                        # keys one list_keys reply carries at most
-#: what re.compile raises for a bad pattern from a client: re.error, and for a repeat
-#: count past the engine's limit ("a{99999999999}") or deep nesting, the other two
-_BAD_REGEX = (re.error, TypeError, OverflowError, RecursionError)
+#: what compiling a client's pattern raises: regex.error, and for a repeat count past the
+#: engine's limit or deep nesting, the other two
+_BAD_REGEX = (regex.error, TypeError, OverflowError, RecursionError)
+#: how long one remove_by_regex / list_keys may spend matching keys, in all. Patterns
+#: come from clients: `regex` (unlike `re`) takes a timeout and releases the GIL while
+#: matching, so a catastrophically backtracking pattern ("(\\w*)*\\d$") fails the call
+#: with INVALID_PARAMS instead of freezing every thread of the master.
+REGEX_BUDGET_S = 1.0
+
+
+class _RegexTooSlow(Exception):
+    """A client's pattern used up REGEX_BUDGET_S."""
+
+
+def _compile_regex(pattern: str) -> Any:
+    return regex.compile(pattern)
+
+
+def _matching(pattern: Any, keys: Iterable[str], budget: float = REGEX_BUDGET_S) -> list[str]:
+    """The keys `pattern` finds a match in (`search`), within `budget` seconds in all."""
+    deadline = time.monotonic() + budget
+    found = []
+    for key in keys:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _RegexTooSlow
+        try:
+            if pattern.search(key, timeout=left, concurrent=True):
+                found.append(key)
+        except TimeoutError:
+            raise _RegexTooSlow from None
+    return found
+
+
+def _too_slow(pattern: str, keys: int) -> str:
+    return (f"regex {pattern!r} took more than {REGEX_BUDGET_S:g} s to match {keys} keys "
+            "(nested repeats backtrack exponentially): simplify it")
 
 
 class AllocationStrategy(str, enum.Enum):
@@ -821,22 +856,33 @@ class ObjectStore:
             mark = self._journal_locked({"t": "rm", "k": removed}) if removed else None
         return self._after_commit(codes, mark)
 
-    def remove_by_regex(self, regex: str, *, force: bool = False) -> CountResult:
+    def remove_by_regex(self, pattern: str, *, force: bool = False) -> CountResult:
+        """Remove the committed objects whose key `pattern` matches (`search`; leased
+        ones stay unless force). The keys are matched outside the lock, within
+        REGEX_BUDGET_S."""
         try:
-            pattern = re.compile(regex)
+            compiled = _compile_regex(pattern)
         except _BAD_REGEX as exc:
-            return CountResult(ErrorCode.INVALID_PARAMS, 0, f"bad regex {regex!r}: {exc}")
-        return self._remove_matching(pattern.search, force)
+            return CountResult(ErrorCode.INVALID_PARAMS, 0, f"bad regex {pattern!r}: {exc}")
+        with self._lock:
+            keys = list(self._objects)
+        try:
+            chosen = set(_matching(compiled, keys))
+        except _RegexTooSlow:
+            return CountResult(ErrorCode.INVALID_PARAMS, 0, _too_slow(pattern, len(keys)))
+        return self._remove_matching(chosen, force)
 
     def remove_all(self, *, force: bool = False) -> CountResult:
         """Remove every committed object (leased ones stay unless force)."""
-        return self._remove_matching(lambda key: True, force)
+        return self._remove_matching(None, force)
 
-    def _remove_matching(self, match: Callable[[str], object], force: bool) -> CountResult:
+    def _remove_matching(self, chosen: set[str] | None, force: bool) -> CountResult:
+        """Remove the keys in `chosen` (None: every key) that are not leased, or all of
+        them with force."""
         with self._lock:
             now = self._sweep_locked()
             doomed = [key for key, obj in self._objects.items()
-                      if match(key) and (force or obj.lease_until <= now)]
+                      if (chosen is None or key in chosen) and (force or obj.lease_until <= now)]
             for key in doomed:
                 self._remove_locked(key, now)
             mark = self._journal_locked({"t": "rm", "k": doomed}) if doomed else None
@@ -844,23 +890,26 @@ class ObjectStore:
 
     # -- listing -------------------------------------------------------------------------
 
-    def list_keys(self, regex: str = "", limit: int = 0) -> KeyListing:
-        """Committed objects and puts in progress whose key `regex` matches (`re.search`),
+    def list_keys(self, pattern: str = "", limit: int = 0) -> KeyListing:
+        """Committed objects and puts in progress whose key `pattern` matches (`search`),
         sorted by key, at most `limit` (0, or above MAX_LIST_KEYS: MAX_LIST_KEYS).
 
         For operators: takes no lease and counts as no access. The keys are matched
         outside the lock, so a large store is not stalled by the regex.
         """
         try:
-            pattern = re.compile(regex)
+            compiled = _compile_regex(pattern)
         except _BAD_REGEX as exc:
-            return KeyListing(ErrorCode.INVALID_PARAMS, message=f"bad regex {regex!r}: {exc}")
+            return KeyListing(ErrorCode.INVALID_PARAMS, message=f"bad regex {pattern!r}: {exc}")
         cap = MAX_LIST_KEYS if limit <= 0 else min(limit, MAX_LIST_KEYS)
         with self._lock:
             self._sweep_locked()
             keys = set(self._objects)
             keys.update(self._puts_by_key)
-        matching = [key for key in keys if pattern.search(key)]
+        try:
+            matching = _matching(compiled, keys)
+        except _RegexTooSlow:
+            return KeyListing(ErrorCode.INVALID_PARAMS, message=_too_slow(pattern, len(keys)))
         chosen = heapq.nsmallest(cap, matching)
         with self._lock:
             now = self._clock()

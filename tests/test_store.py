@@ -455,6 +455,27 @@ def test_remove_by_regex_and_remove_all(store: ObjectStore, clock: Clock) -> Non
     assert store.put_end("c1", [("pending", pending.put_id)]) == [ErrorCode.OK]
 
 
+
+def test_a_backtracking_regex_is_refused_and_changes_nothing(store: ObjectStore) -> None:
+    """A client's pattern that backtracks exponentially on a stored key would freeze the
+    master (`re` holds the GIL for the whole match): it is cut off after REGEX_BUDGET_S
+    with INVALID_PARAMS naming the pattern, and no key is removed."""
+    store.mount_segment("owner", seg("a"))
+    keys = ["a" * 3000 + "!", "plain", "model_7"]
+    for key in keys:
+        put(store, key, 10)
+    evil = r"(\w*)*\d$"
+    removed = store.remove_by_regex(evil, force=True)
+    assert removed.code == ErrorCode.INVALID_PARAMS and removed.count == 0
+    assert repr(evil) in removed.message and "simplify it" in removed.message
+    listed = store.list_keys(evil)
+    assert listed.code == ErrorCode.INVALID_PARAMS and "took more than" in listed.message
+    assert store.exist_keys(keys) == [ErrorCode.OK] * 3
+    # an ordinary pattern over the same keys still works
+    assert store.remove_by_regex(r"_\d$", force=True).count == 1
+    assert store.exist_keys(keys) == [ErrorCode.OK, ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND]
+
+
 # ---------------------------------------------------------------- clients and segments
 
 
