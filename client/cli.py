@@ -1,6 +1,8 @@
 """`hixl`: the user's command line. Subcommands: `bench`, `bench-registry`, `bench-store`
-(also spelled `hixl bench store`), the operator queries `status`, `segments`, `keys`
-(hixl.client.admin), and `soak` (hixl.client.soak: random calls under random kills).
+(also spelled `hixl bench store`), `bench-kv-offload` (`hixl bench kv-offload`, in
+hixl.client.kv_offload_bench), the operator queries `status`, `segments`, `keys`
+(hixl.client.admin), `soak` (hixl.client.soak: random calls under random kills) and
+`shmem-run` (hixl.client.shmem_run: one process per PE of a hixl.shmem job).
 
 Each subcommand is one `add_<name>(subparsers)` function that declares its flags and sets
 `handler`; `main()` parses and dispatches, turning expected failures into an error line
@@ -548,14 +550,50 @@ def run_soak_command(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else EXIT_FAILED
 
 
+def add_shmem_run(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "shmem-run", help="run a hixl.shmem job: one process per PE (as mpirun)",
+        description="Start the PEs of a hixl.shmem job: the command runs once per PE with "
+                    "HIXL_SHMEM_PE, HIXL_SHMEM_N_PES, HIXL_SHMEM_BOOTSTRAP and HIXL_SHMEM_JOB "
+                    "set, so hixl.shmem.init() needs no arguments. Without --bootstrap a "
+                    "private hixl-master serves the job. When a PE fails, the others are "
+                    "stopped; the exit status is the first failure's.")
+    p.add_argument("-n", "--np", type=_positive_int, required=True, dest="n_local",
+                   help="PEs to start here")
+    p.add_argument("--n-pes", type=_positive_int,
+                   help="PEs in the whole job, when other nodes start the rest (default -n)")
+    p.add_argument("--first-pe", type=int, default=0,
+                   help="the first PE number started here (default 0)")
+    p.add_argument("--bootstrap", metavar="HOST:PORT", type=_host_port,
+                   help="the job's hixl-master (default: start a private one)")
+    p.add_argument("--job", help="job name shared by every node's shmem-run (default: a new id)")
+    p.add_argument("--timeout", type=float, help="stop every PE after this many seconds")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the program, after `--` (e.g. -- python prog.py ARGS)")
+    p.set_defaults(handler=run_shmem_run)
+
+
+def run_shmem_run(args: argparse.Namespace) -> int:
+    from hixl.client.shmem_run import run_job
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    result = run_job(command, args.n_local, bootstrap=args.bootstrap, job=args.job,
+                     n_pes=args.n_pes, first_pe=args.first_pe, timeout=args.timeout)
+    for reason in result.reasons:
+        print(f"hixl shmem-run: {reason}", file=sys.stderr)
+    return result.exit_status
+
+
 # ---------------------------------------------------------------- entry point
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hixl", description="hixl command-line tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (add_bench, add_bench_registry, add_bench_store, add_status, add_segments,
-                add_keys, add_soak):
+    from hixl.client import kv_offload_bench
+
+    for add in (add_bench, add_bench_registry, add_bench_store, kv_offload_bench.add_parser,
+                add_status, add_segments, add_keys, add_soak, add_shmem_run):
         add(subparsers)
     return parser
 
@@ -563,8 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console script `hixl`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["bench", "store"]:  # `hixl bench store ...` is `hixl bench-store ...`
-        argv = ["bench-store", *argv[2:]]
+    if argv[:2] in (["bench", "store"], ["bench", "kv-offload"]):  # `hixl bench store ...`
+        argv = [f"bench-{argv[1]}", *argv[2:]]                   # is `hixl bench-store ...`
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))

@@ -26,7 +26,7 @@ def test_readme_examples_run(agent_process, tmp_path) -> None:
     from hixl.client.registry_bench import MasterProcess
 
     blocks = python_blocks()
-    assert len(blocks) >= 4, "the README lost its usage examples"
+    assert len(blocks) >= 5, "the README lost its usage examples"
     node = agent_process(config={"pool_max_bytes": "64MiB"})
     server_name = f"127.0.0.1:{free_port()}"
     with MasterProcess(extra=["--data-dir", str(tmp_path / "master")]) as master:
@@ -39,11 +39,17 @@ def test_readme_examples_run(agent_process, tmp_path) -> None:
 
 
 def run_blocks(blocks: list[str], addresses: dict[str, str]) -> None:
-    """Run each example in its own interpreter, its fixed addresses pointed at ours."""
+    """Run each example in its own interpreter, its fixed addresses pointed at ours; an
+    example that says it runs under `hixl shmem-run -n N` runs as N PEs that way."""
     for block in blocks:
         code = block
         for fixed, ours in addresses.items():
             code = code.replace(fixed, ours)
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                timeout=120)
-        assert result.returncode == 0, f"README example failed:\n{block}\n{result.stderr}"
+        argv = [sys.executable, "-c", code]
+        launcher = re.search(r"hixl shmem-run -n (\d+)", block)
+        if launcher:
+            argv = [sys.executable, "-m", "hixl.client.cli", "shmem-run", "-n",
+                    launcher.group(1), "--timeout", "100", "--", *argv]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, \
+            f"README example failed:\n{block}\n{result.stderr}{result.stdout}"
