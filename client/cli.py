@@ -1,6 +1,7 @@
 """`hixl`: the user's command line. Subcommands: `bench`, `bench-registry`, `bench-store`
-(also spelled `hixl bench store`), `bench-kv-offload` (`hixl bench kv-offload`, in
-hixl.client.kv_offload_bench), the operator queries `status`, `segments`, `keys`
+(also spelled `hixl bench store`), `bench-kv-offload` and `bench-moe` (`hixl bench
+kv-offload` / `hixl bench moe`: the hixl.shmem scenarios, in hixl.client.kv_offload_bench
+and hixl.client.moe_bench), the operator queries `status`, `segments`, `keys`
 (hixl.client.admin), `soak` (hixl.client.soak: random calls under random kills) and
 `shmem-run` (hixl.client.shmem_run: one process per PE of a hixl.shmem job).
 
@@ -590,10 +591,11 @@ def run_shmem_run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hixl", description="hixl command-line tools")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from hixl.client import kv_offload_bench
+    from hixl.client import kv_offload_bench, moe_bench
 
     for add in (add_bench, add_bench_registry, add_bench_store, kv_offload_bench.add_parser,
-                add_status, add_segments, add_keys, add_soak, add_shmem_run):
+                moe_bench.add_parser, add_status, add_segments, add_keys, add_soak,
+                add_shmem_run):
         add(subparsers)
     return parser
 
@@ -601,8 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console script `hixl`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] in (["bench", "store"], ["bench", "kv-offload"]):  # `hixl bench store ...`
-        argv = [f"bench-{argv[1]}", *argv[2:]]                   # is `hixl bench-store ...`
+    if argv[:2] in (["bench", "store"], ["bench", "kv-offload"], ["bench", "moe"]):
+        argv = [f"bench-{argv[1]}", *argv[2:]]  # `hixl bench store ...` is `hixl bench-store ...`
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args))
