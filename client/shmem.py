@@ -804,50 +804,43 @@ class ShmemContext:
     def _put(self, dst: Any, src: Any, pe: int, timeout: float | None, *,
              blocking: bool) -> None:
         with self._using_registrations():
-            self._put_now(dst, src, pe, timeout, blocking)
+            self._move_one(TransferOp.WRITE, dst, src, pe, timeout, blocking)
 
     def _get(self, dst: Any, src: Any, pe: int, timeout: float | None, *,
              blocking: bool) -> None:
         with self._using_registrations():
-            self._get_now(dst, src, pe, timeout, blocking)
+            self._move_one(TransferOp.READ, src, dst, pe, timeout, blocking)
 
-    def _put_now(self, dst: Any, src: Any, pe: int, timeout: float | None,
-                 blocking: bool) -> None:
+    def _move_one(self, op: TransferOp, remote: Any, local: Any, pe: int,
+                  timeout: float | None, blocking: bool) -> None:
+        """One put (WRITE: local -> symmetric `remote` on `pe`) or get (READ: the other
+        way), checked in full first."""
         self._check_open()
         pe = self._check_pe(pe)
         wait = self._timeout(timeout)
-        offset, room = self._symmetric(dst, "put's dst")
-        addr, nbytes = self._local(src, "put's src", writable=False)
+        writing = op is TransferOp.WRITE
+        offset, room = self._symmetric(remote, "put's dst" if writing else "get's src")
+        addr, nbytes = self._local(local, "put's src" if writing else "get's dst",
+                                   writable=not writing)
         if nbytes > room:
-            raise OutOfRange(f"put of {nbytes} bytes overflows its dst: {room} bytes at "
-                             f"symmetric offset {offset}", failed=[pe])
+            what = "put of {} bytes overflows its dst" if writing \
+                else "get of {} bytes overruns its src"
+            raise OutOfRange(f"{what.format(nbytes)}: {room} bytes at symmetric offset "
+                             f"{offset}", failed=[pe])
         if not nbytes:
             return
         if pe == self.my_pe:
-            ctypes.memmove(self._heap_addr + offset, addr, nbytes)
+            heap = self._heap_addr + offset
+            if writing:
+                ctypes.memmove(heap, addr, nbytes)
+            else:
+                ctypes.memmove(addr, heap, nbytes)
         elif blocking:
-            self._transfer(pe, TransferOp.WRITE, [(addr, offset, nbytes)], wait, "put to")
+            self._transfer(pe, op, [(addr, offset, nbytes)], wait,
+                           "put to" if writing else "get from")
         else:
-            self._start(pe, TransferOp.WRITE, [(addr, offset, nbytes)], wait, "put_nbi to")
-
-    def _get_now(self, dst: Any, src: Any, pe: int, timeout: float | None,
-                 blocking: bool) -> None:
-        self._check_open()
-        pe = self._check_pe(pe)
-        wait = self._timeout(timeout)
-        offset, room = self._symmetric(src, "get's src")
-        addr, nbytes = self._local(dst, "get's dst", writable=True)
-        if nbytes > room:
-            raise OutOfRange(f"get of {nbytes} bytes overruns its src: {room} bytes at "
-                             f"symmetric offset {offset}", failed=[pe])
-        if not nbytes:
-            return
-        if pe == self.my_pe:
-            ctypes.memmove(addr, self._heap_addr + offset, nbytes)
-        elif blocking:
-            self._transfer(pe, TransferOp.READ, [(addr, offset, nbytes)], wait, "get from")
-        else:
-            self._start(pe, TransferOp.READ, [(addr, offset, nbytes)], wait, "get_nbi from")
+            self._start(pe, op, [(addr, offset, nbytes)], wait,
+                        "put_nbi to" if writing else "get_nbi from")
 
     def quiet(self, timeout: float | None = None) -> None:
         """Wait for every outstanding put_nbi/get_nbi; raise the first error, naming its PE."""

@@ -51,6 +51,7 @@ PREFIX = "hxn"
 SUBNET = "10.77"
 GRPC_PORT = 50161
 DATA_PORT = 50162
+MASTER_PORT = 50051
 HOST_IF = "eth0"
 HIDDEN_ROOTS = ("/tmp", "/dev/shm", "/run")  # each host mounts a private tmpfs here
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -571,6 +572,17 @@ class Cluster:
         agent = AgentHandle(host, config or {}, self._tag())
         self.agents.append(agent)
         return agent
+
+    def start_master(self, host: Host, port: int = MASTER_PORT) -> str:
+        """A hixl-master on `host` (in memory only), serving; returns its "ip:port"."""
+        proc = host.spawn([sys.executable, "-m", "hixl.server.master", "--host", host.ip,
+                           "--port", str(port), "--no-persist"], stdout=subprocess.PIPE,
+                          text=True)
+        assert proc.stdout is not None
+        line = _read_line(proc.stdout, time.monotonic() + START_TIMEOUT_S) or ""
+        if not line.startswith("hixl-master serving"):
+            raise HarnessError(f"hixl-master did not start on {host}: {line!r}")
+        return f"{host.ip}:{port}"
 
     def worker(self, host: Host, fabric: str = "1", registry: str | None = None) -> Worker:
         """An engine worker on `host` (EnableUseFabricMem=`fabric`), driven step by step;

@@ -96,10 +96,7 @@ def test_the_pool_on_another_host_over_tcp(netns: Any) -> None:
     against one hixl-master (the multi-node launch); the pool is reached over TCP."""
     cluster = netns(3)
     hub = cluster.hosts[0]
-    bootstrap = f"{hub.ip}:50061"
-    master = hub.spawn([sys.executable, "-m", "hixl.server.master", "--host", hub.ip, "--port",
-                        "50061", "--no-persist"], stdout=subprocess.PIPE, text=True)
-    assert master.stdout is not None and master.stdout.readline().startswith("hixl-master")
+    bootstrap = cluster.start_master(hub, 50061)
     job = f"kv-hosts-{uuid.uuid4().hex[:8]}"
     steps = 4
     launchers = [cluster.hosts[1 + pe].spawn(

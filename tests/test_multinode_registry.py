@@ -9,17 +9,14 @@ they found in the table alone.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import pytest
-from netns import Cluster, HarnessError
+from netns import Cluster
 
 pytestmark = pytest.mark.netns
 
-MASTER_PORT = 50051
 LEASE_TTL_MS = 1000
 POOL = 8 << 20
 
@@ -27,14 +24,7 @@ POOL = 8 << 20
 @pytest.fixture(scope="module")
 def cluster(netns) -> Iterator[tuple[Cluster, str]]:
     cluster = netns(3)
-    master_host = cluster.hosts[0]
-    master = f"{master_host.ip}:{MASTER_PORT}"
-    proc = master_host.spawn([sys.executable, "-m", "hixl.server.master", "--host", master_host.ip,
-                              "--port", str(MASTER_PORT), "--no-persist"],
-                             stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout is not None else ""
-    if not line.startswith("hixl-master serving"):
-        raise HarnessError(f"hixl-master did not start on {master_host}: {line!r}")
+    master = cluster.start_master(cluster.hosts[0])
     for host in cluster.hosts:
         cluster.start_agent(host, {"master": master, "lease_ttl_ms": LEASE_TTL_MS,
                                    "pool": [{"name": "kv", "size": POOL, "perms": "rw"}]})

@@ -6,31 +6,21 @@ every byte checked in the PEs.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 
 import pytest
-from netns import Cluster, HarnessError
+from netns import Cluster
 from test_shmem import PeProcess, check_core
 
 pytestmark = pytest.mark.netns
 
-MASTER_PORT = 50051
 
 
 @pytest.fixture(scope="module")
 def cluster(netns) -> Iterator[tuple[Cluster, str]]:
     cluster = netns(3)
-    master_host = cluster.hosts[0]
-    master = f"{master_host.ip}:{MASTER_PORT}"
-    proc = master_host.spawn([sys.executable, "-m", "hixl.server.master", "--host", master_host.ip,
-                              "--port", str(MASTER_PORT), "--no-persist"],
-                             stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline() if proc.stdout is not None else ""
-    if not line.startswith("hixl-master serving"):
-        raise HarnessError(f"hixl-master did not start on {master_host}: {line!r}")
+    master = cluster.start_master(cluster.hosts[0])
     yield cluster, master
 
 
