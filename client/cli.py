@@ -61,22 +61,32 @@ def _choices(allowed: Sequence[str]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
-    """An argparse type: a positive int or float, refused by name otherwise."""
+def _number(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a positive int or float (`zero`: or 0), refused by name otherwise."""
     def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-        if not value > 0:  # also refuses nan
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        if not (value >= 0 if zero else value > 0):  # also refuses nan
+            raise argparse.ArgumentTypeError(
+                f"must {'not be negative' if zero else 'be positive'}, got {text!r}")
         return value
     return parse
 
 
-_positive_float = _positive(float)
-_positive_int = _positive(int)
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    """--json FILE, for every command that prints a report (written by emit_report)."""
+    p.add_argument("--json", metavar="FILE",
+                   help="also write every number as JSON to FILE ('-' = stdout; the table "
+                        "then goes to stderr)")
+
+
+_positive_float = _number(float)
+_positive_int = _number(int)
+_non_negative_int = _number(int, zero=True)
+_non_negative_float = _number(float, zero=True)
 
 
 def _one_size(text: str) -> int:
@@ -152,9 +162,7 @@ def add_bench(subparsers: Any) -> None:
                    help="block of the HIXL-style run (default 8784K)")
     p.add_argument("--hixl-transfers", type=_positive_int, default=defaults.hixl_transfers,
                    help="transfers of the HIXL-style run (default 100; the first is excluded)")
-    p.add_argument("--json", metavar="FILE",
-                   help="also write every number as JSON to FILE ('-' = stdout; the table "
-                        "then goes to stderr)")
+    add_json_flag(p)
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw GB/s and p50 latency against block size for each path and "
                         "baseline into FILE.png (needs matplotlib: pip install 'hixl[plot]')")
@@ -229,9 +237,7 @@ def add_bench_registry(subparsers: Any) -> None:
                    help="use this running hixl-master (default: start a private one)")
     p.add_argument("--timeout", type=_positive_float, default=defaults.timeout,
                    help=f"deadline of every wait in seconds (default {defaults.timeout:g})")
-    p.add_argument("--json", metavar="FILE",
-                   help="also write the numbers as JSON to FILE ('-' = stdout; the table "
-                        "then goes to stderr)")
+    add_json_flag(p)
     p.add_argument("--progress", action="store_true", help="show progress on stderr")
     p.set_defaults(handler=run_bench_registry_command)
 
@@ -299,9 +305,7 @@ def add_bench_store(subparsers: Any) -> None:
     p.add_argument("--no-mooncake", action="store_false", dest="mooncake",
                    help="do not measure Mooncake Store (default: measured when mooncake.store "
                         "imports)")
-    p.add_argument("--json", metavar="FILE",
-                   help="also write every number as JSON to FILE ('-' = stdout; the table "
-                        "then goes to stderr)")
+    add_json_flag(p)
     p.add_argument("--check-targets", action="store_true",
                    help="exit with status 1 if a target ratio to Mooncake is missed")
     progress = p.add_mutually_exclusive_group()
@@ -472,16 +476,6 @@ def run_keys_command(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- soak
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
-    return value
-
-
 def _host_port_list(text: str) -> tuple[str, ...]:
     return tuple(_host_port(part.strip()) for part in text.split(",") if part.strip())
 
@@ -528,9 +522,7 @@ def add_soak(subparsers: Any) -> None:
                    help="soak this running hixl-master (with --agent, and --kill-every 0)")
     p.add_argument("--agent", metavar="HOST:PORT[,...]", type=_host_port_list, default=(),
                    help="soak these running agents (with --master, and --kill-every 0)")
-    p.add_argument("--json", metavar="FILE",
-                   help="also write the report as JSON to FILE ('-' = stdout; the table then "
-                        "goes to stderr)")
+    add_json_flag(p)
     p.add_argument("--keep-logs", action="store_true",
                    help="keep the work dir (every process's log, the master's data) even when "
                         "the run passes (a failed run always keeps it)")

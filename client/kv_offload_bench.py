@@ -307,7 +307,13 @@ def _page_list(text: str) -> tuple[int, ...]:
 
 def add_parser(subparsers: Any) -> None:
     """Declare `bench-kv-offload` (`hixl bench kv-offload`) on a CLI's subparsers."""
-    from hixl.client.cli import _choices, _one_size, _positive_float, _positive_int
+    from hixl.client.cli import (
+        _choices,
+        _one_size,
+        _positive_float,
+        _positive_int,
+        add_json_flag,
+    )
 
     defaults = KvBenchConfig()
     p = subparsers.add_parser(
@@ -340,9 +346,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--timeout", type=_positive_float, default=defaults.timeout,
                    help=f"deadline of every wait in the PEs, seconds (default "
                         f"{defaults.timeout:g})")
-    p.add_argument("--json", metavar="FILE",
-                   help="also write every number as JSON to FILE ('-' = stdout; the table "
-                        "then goes to stderr)")
+    add_json_flag(p)
     p.add_argument("--progress", action="store_true", help="name each case on stderr")
     p.set_defaults(handler=run_command)
 

@@ -436,20 +436,10 @@ def _paths(text: str) -> tuple[str, ...]:
     return values
 
 
-def _count(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
-
-
 def add_parser(subparsers: Any) -> None:
     """Declare `bench-moe` (the CLI maps `hixl bench moe` to it)."""
+    from hixl.client.cli import _non_negative_int, _positive_float, _positive_int, add_json_flag
+
     defaults = MoeBenchConfig()
     p = subparsers.add_parser(
         "bench-moe", help="time MoE dispatch + combine on hixl.shmem against torch gloo; "
@@ -462,11 +452,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--shapes", type=_shapes, default=defaults.shapes,
                    help="TOKENSxHIDDENxTOPKxEXPERTS_PER_PE, comma-separated (default "
                         "128x7168x8x8,16x7168x8x8,512x2048x4x4)")
-    p.add_argument("--n-pes", type=_count(1), default=defaults.n_pes,
+    p.add_argument("--n-pes", type=_positive_int, default=defaults.n_pes,
                    help=f"PE processes (and torch ranks) (default {defaults.n_pes})")
-    p.add_argument("--iterations", type=_count(1), default=defaults.iterations,
+    p.add_argument("--iterations", type=_positive_int, default=defaults.iterations,
                    help=f"timed passes per shape (default {defaults.iterations})")
-    p.add_argument("--warmup", type=_count(0), default=defaults.warmup,
+    p.add_argument("--warmup", type=_non_negative_int, default=defaults.warmup,
                    help=f"untimed passes first (default {defaults.warmup})")
     p.add_argument("--dtype", choices=tuple(moe.DTYPES), default=defaults.dtype,
                    help="activations' dtype (numpy has no bfloat16) (default float32)")
@@ -476,11 +466,9 @@ def add_parser(subparsers: Any) -> None:
                    help="measure torch.distributed gloo: auto = when it imports (default), "
                         "on = required, off = never")
     p.add_argument("--seed", type=int, default=defaults.seed, help="inputs' seed")
-    p.add_argument("--timeout", type=float, default=defaults.timeout,
+    p.add_argument("--timeout", type=_positive_float, default=defaults.timeout,
                    help=f"deadline of each job in seconds (default {defaults.timeout:g})")
-    p.add_argument("--json", metavar="FILE",
-                   help="also write every number as JSON to FILE ('-' = stdout; the table "
-                        "then goes to stderr)")
+    add_json_flag(p)
     p.add_argument("--progress", action="store_true", help="say which job runs, on stderr")
     p.set_defaults(handler=run_bench_moe_command)
 
