@@ -38,6 +38,7 @@ from hixl.errors import ConfigError
 from hixl.logs import setup_logging
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
 from hixl.server.config import describe_keys, keys_from_parser, layer_values
+from hixl.server.metadata import LocalJournalBackend, MetadataBackend
 from hixl.server.registry import (
     DEFAULT_MAX_TTL_MS,
     SERVER_KEEPALIVE_OPTIONS,
@@ -340,20 +341,26 @@ def _bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-def open_store(config: StoreConfig, port: int) -> ObjectStore:
-    """The ObjectStore the flags describe, its committed state replayed from the data dir.
+def open_backend(config: StoreConfig, port: int) -> MetadataBackend | None:
+    """Where the store's committed metadata lives, as the settings say (None: in memory
+    only). ConfigError (naming the directory) when the data dir cannot be used or another
+    master holds it."""
+    if not config.persist:
+        return None
+    data_dir = config.data_dir or default_data_dir(port)
+    if data_dir is None:
+        log.info("store: in memory only (--port 0 and no --data-dir)")
+        return None
+    return LocalJournalBackend(data_dir, fsync=config.options().fsync)
 
-    ConfigError (naming the directory) when the data dir cannot be used or another
-    master holds it.
-    """
-    data_dir = None
-    if config.persist:
-        data_dir = config.data_dir or default_data_dir(port)
-        if data_dir is None:
-            log.info("store: in memory only (--port 0 and no --data-dir)")
-    store = ObjectStore(config.options(), data_dir=data_dir)
-    if data_dir is not None:
-        log.info("store: committed metadata kept in %s", data_dir)
+
+def open_store(config: StoreConfig, port: int) -> ObjectStore:
+    """The ObjectStore the flags describe, its committed state replayed from its backend
+    (`open_backend`); ConfigError naming what cannot be used."""
+    backend = open_backend(config, port)
+    store = ObjectStore(config.options(), backend=backend)
+    if backend is not None:
+        log.info("store: committed metadata kept in %s", backend.describe())
     return store
 
 

@@ -28,10 +28,11 @@ Semantics (Mooncake Store's master, plus persistence):
   expired client's segments are unmounted at once (they stop receiving allocations;
   replicas on them go; objects left with none are removed); an unknown client's
   heartbeat is answered NEED_REMOUNT.
-- **Persistence** (Mooncake loses every key on restart; this does not): with a data
-  dir, every committed change (mount, unmount, put end, removal, eviction) goes to an
-  append-only journal, fsync'd before the call returns (group commit: one fsync serves
-  every caller waiting at the time), with periodic snapshots that truncate it. Space is
+- **Persistence** (Mooncake loses every key on restart; this does not): with a metadata
+  backend (server/metadata.py; a data dir is `LocalJournalBackend`), every committed
+  change (mount, unmount, put end, removal, eviction) is appended to it and durable
+  before the call returns (group commit: one fsync serves every caller waiting at the
+  time), with periodic snapshots that supersede the journal. Space is
   handed out again only once its release is durable, so a restart never resurrects a key
   over memory already given to another. On start, snapshot + journal are replayed (a
   torn last record is ignored with a warning); segments come back *awaiting remount*:
@@ -45,28 +46,24 @@ from __future__ import annotations
 
 import bisect
 import enum
-import fcntl
 import heapq
 import itertools
-import json
 import logging
 import os
 import random
 import secrets
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import regex
 
 from hixl.errors import ConfigError
 from hixl.registry_client import EngineEndpoints
+from hixl.server.metadata import LocalJournalBackend, MetadataBackend
 from hixl.store_client import (
     ClientStatus,
     CountResult,
@@ -282,189 +279,6 @@ class OffsetAllocator:
         self._free[start] = length
 
 
-# ---------------------------------------------------------------------------- journal
-
-_FRAME = struct.Struct("<II")  # payload length, crc32 of payload
-
-
-def _encode(record: dict[str, Any]) -> bytes:
-    payload = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-def read_journal(path: Path) -> tuple[list[dict[str, Any]], int, int]:
-    """(records, end of the last whole record, file size): a torn or corrupt tail stops it."""
-    data = path.read_bytes()
-    records: list[dict[str, Any]] = []
-    pos = 0
-    while pos + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, pos)
-        payload = data[pos + _FRAME.size:pos + _FRAME.size + length]
-        if len(payload) < length or zlib.crc32(payload) != crc:
-            break
-        try:
-            records.append(json.loads(payload))
-        except ValueError:
-            break
-        pos += _FRAME.size + length
-    return records, pos, len(data)
-
-
-class Journal:
-    """Append-only, CRC-framed journal file with group commit.
-
-    `append` writes under the store's lock (so records are in mutation order) and
-    returns the position after the record; `sync(position)` is called after the lock is
-    released and returns once the record is on disk. Callers that arrive while an fsync
-    runs wait for it and then find themselves covered by the next one, so one fsync
-    serves everyone who was waiting.
-    """
-
-    def __init__(self, path: Path, *, fsync: bool = True) -> None:
-        self.path = path
-        self._fsync = fsync
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        self.written = os.fstat(self._fd).st_size
-        self._durable = self.written
-        self.records = 0
-        self._sync_lock = threading.Lock()
-
-    def append(self, record: dict[str, Any]) -> int:
-        frame = _encode(record)
-        view = memoryview(frame)
-        while view:
-            view = view[os.write(self._fd, view):]
-        self.written += len(frame)
-        self.records += 1
-        return self.written
-
-    def sync(self, position: int | None = None) -> None:
-        """Return once everything up to `position` (default: all written) is durable."""
-        target = self.written if position is None else position
-        if self._durable >= target:
-            return
-        with self._sync_lock:
-            if self._durable >= target:  # the fsync we waited for covered us
-                return
-            self._sync_locked()
-
-    def _sync_locked(self) -> None:
-        upto = self.written
-        if self._fsync and self._fd >= 0:
-            os.fsync(self._fd)
-        self._durable = max(self._durable, upto)
-
-    def close(self) -> None:
-        """Make everything durable and close; later sync() calls return at once."""
-        with self._sync_lock:
-            if self._fd < 0:
-                return
-            self._sync_locked()
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class DataDir:
-    """A master's data directory: LOCK, snapshot-<gen>.json, journal-<gen>.log.
-
-    A snapshot of generation g holds everything before journal-g; journals of every
-    generation >= the newest readable snapshot are replayed in order. Only one master
-    may use a directory at a time (flock on LOCK).
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
-        self.path = Path(path)
-        self.fsync = fsync
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                                    0o600)
-        except OSError as exc:
-            raise ConfigError(f"store data dir {self.path}: cannot use it: "
-                              f"{exc.strerror or exc}") from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock_fd)
-            raise ConfigError(f"store data dir {self.path} is in use by another hixl-master "
-                              "(give each master its own --data-dir)") from None
-
-    def _generations(self, prefix: str, suffix: str) -> list[int]:
-        found = []
-        for entry in self.path.glob(f"{prefix}*{suffix}"):
-            middle = entry.name[len(prefix):-len(suffix)]
-            if middle.isdigit():
-                found.append(int(middle))
-        return sorted(found)
-
-    def snapshot_path(self, gen: int) -> Path:
-        return self.path / f"snapshot-{gen}.json"
-
-    def journal_path(self, gen: int) -> Path:
-        return self.path / f"journal-{gen}.log"
-
-    def load(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]], int]:
-        """(newest readable snapshot or None, journal records after it, the last generation).
-
-        A torn tail is cut off (with a warning) so appends continue after whole records.
-        """
-        snapshot: dict[str, Any] | None = None
-        base = 0
-        for gen in reversed(self._generations("snapshot-", ".json")):
-            try:
-                snapshot = json.loads(self.snapshot_path(gen).read_bytes())
-                base = gen
-                break
-            except (OSError, ValueError) as exc:
-                log.warning("store snapshot %s unreadable (%s); trying an older one",
-                            self.snapshot_path(gen), exc)
-        journals = [g for g in self._generations("journal-", ".log") if g >= base]
-        records: list[dict[str, Any]] = []
-        for gen in journals:
-            path = self.journal_path(gen)
-            got, good, size = read_journal(path)
-            records.extend(got)
-            if good < size:
-                log.warning("store journal %s: ignoring a torn or corrupt tail of %d bytes "
-                            "after %d whole records", path, size - good, len(got))
-                with open(path, "r+b") as f:
-                    f.truncate(good)
-        last = max([base, *journals])
-        return snapshot, records, last
-
-    def write_snapshot(self, gen: int, state: dict[str, Any]) -> None:
-        """Write snapshot-<gen> atomically, then delete what it supersedes."""
-        final = self.snapshot_path(gen)
-        tmp = final.with_suffix(".json.tmp")
-        with open(tmp, "wb") as f:
-            f.write(json.dumps(state, separators=(",", ":"), ensure_ascii=False).encode())
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-        if self.fsync:
-            _fsync_dir(self.path)
-        for old in self._generations("snapshot-", ".json"):
-            if old < gen:
-                self.snapshot_path(old).unlink(missing_ok=True)
-        for old in self._generations("journal-", ".log"):
-            if old < gen:
-                self.journal_path(old).unlink(missing_ok=True)
-
-    def close(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-
-
 # ---------------------------------------------------------------------------- index
 
 
@@ -527,8 +341,8 @@ class _Put:
     config: ReplicaConfig
 
 
-#: (journal, position after a record), or None without persistence.
-_Mark = tuple["Journal", int] | None
+#: (backend, its mark after a record), or None without persistence.
+_Mark = tuple[MetadataBackend, object] | None
 
 
 def _segment_record(segment: _Segment) -> dict[str, Any]:
@@ -549,13 +363,16 @@ def _segment_from_record(record: dict[str, Any]) -> tuple[str, StoreSegment]:
 class ObjectStore:
     """Thread-safe object index over mounted segments; see the module docstring.
 
-    Per-key outcomes are ErrorCode values (returned, never raised). With `data_dir`,
-    committed metadata survives restarts; without it, the store lives in memory only.
+    Per-key outcomes are ErrorCode values (returned, never raised). With a `backend`
+    (which the store then owns and closes), or a `data_dir` (short for
+    `LocalJournalBackend(data_dir)`), committed metadata survives restarts; with
+    neither, the store lives in memory only.
     """
 
     def __init__(self, options: StoreOptions | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
                  data_dir: str | os.PathLike[str] | None = None,
+                 backend: MetadataBackend | None = None,
                  rng: random.Random | None = None) -> None:
         self.options = options or StoreOptions()
         self.options.check()
@@ -578,21 +395,32 @@ class ObjectStore:
             ("puts", "evicted", "evictions", "expired_clients", "preempted_puts",
              "released_puts"), 0)
         self._snapshot_lock = threading.Lock()
-        self._journal: Journal | None = None
-        self._dir: DataDir | None = None
-        self._gen = 0
+        if data_dir is not None and backend is not None:
+            raise TypeError("ObjectStore takes data_dir or backend, not both")
+        if backend is not None and not isinstance(backend, MetadataBackend):
+            raise TypeError(f"ObjectStore backend must be a MetadataBackend, "
+                            f"got {type(backend).__name__}")
         if data_dir is not None:
-            self._dir = DataDir(data_dir, fsync=self.options.fsync)
+            backend = LocalJournalBackend(data_dir, fsync=self.options.fsync)
+        self._backend = backend
+        if backend is not None:
             try:
-                self._recover()
+                self._recover(backend)
             except BaseException:
-                self._dir.close()
+                self._backend = None
+                backend.close()
                 raise
 
     @property
     def persistent(self) -> bool:
-        """True when committed changes go to a data dir (calls may wait for an fsync)."""
-        return self._dir is not None
+        """True when committed changes go to a backend (calls may wait for it)."""
+        backend = self._backend
+        return backend is not None and backend.persistent
+
+    def describe_persistence(self) -> str:
+        """Where committed metadata is kept, for logs and Health."""
+        backend = self._backend
+        return backend.describe() if backend is not None else "in memory only"
 
     # -- clients and segments ------------------------------------------------------------
 
@@ -947,28 +775,25 @@ class ObjectStore:
         with self._lock:
             now = self._sweep_locked()
             self._evict_above_watermark_locked(now)
-            journal = self._journal
-            due = journal is not None and journal.records >= self.options.snapshot_every_records
-        if journal is not None:
-            journal.sync()
+            backend = self._backend
+            due = (backend is not None
+                   and backend.records_since_snapshot >= self.options.snapshot_every_records)
+        if backend is not None:
+            backend.wait_durable()
         if due:
             self.snapshot()
 
     def snapshot(self) -> None:
-        """Write a snapshot of the committed state and start a new, empty journal."""
-        if self._dir is None:
-            return
+        """Write a snapshot of the committed state to the backend, superseding the
+        records before it (a new, empty journal for the local one)."""
         with self._snapshot_lock:
             with self._lock:
+                backend = self._backend
+                cut = backend.begin_snapshot() if backend is not None else None
+                if backend is None or cut is None:
+                    return
                 state = self._state_locked()
-                old = self._journal
-                self._gen += 1
-                state["gen"] = self._gen
-                self._journal = Journal(self._dir.journal_path(self._gen),
-                                        fsync=self.options.fsync)
-            if old is not None:
-                old.close()
-            self._dir.write_snapshot(state["gen"], state)
+            backend.write_snapshot(cut, state)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -1009,20 +834,19 @@ class ObjectStore:
                 "soft_pinned": sum(1 for o in objects if o.soft_pin_until > now)}
 
     def close(self, *, snapshot: bool = True) -> None:
-        """Release the data dir, after a snapshot so the next start replays little.
+        """Close the backend, after a snapshot so the next start replays little; the
+        store goes on in memory only.
 
-        snapshot=False leaves the directory as a crash would (the journal as written).
+        snapshot=False leaves the backend as a crash would (the journal as written).
         """
-        if self._dir is None:
+        if self._backend is None:
             return
         if snapshot:
             self.snapshot()
-        with self._lock:
-            if self._journal is not None:
-                self._journal.close()
-                self._journal = None
-            self._dir.close()
-            self._dir = None
+        with self._snapshot_lock, self._lock:
+            backend, self._backend = self._backend, None
+            if backend is not None:
+                backend.close()
 
     # -- internals: checks -------------------------------------------------------------
 
@@ -1252,22 +1076,22 @@ class ObjectStore:
     # -- internals: persistence --------------------------------------------------------
 
     def _journal_locked(self, record: dict[str, Any]) -> _Mark:
-        """Append a record; the mark says where it ends, for _after_commit."""
-        journal = self._journal
-        return (journal, journal.append(record)) if journal is not None else None
+        """Append a record to the backend; the mark says where it ends, for _after_commit."""
+        backend = self._backend
+        return (backend, backend.append(record)) if backend is not None else None
 
     def _mark_locked(self) -> _Mark:
-        """Where the journal ends now (everything before must be durable)."""
-        journal = self._journal
-        return (journal, journal.written) if journal is not None else None
+        """Where the backend's records end now (everything before must be durable)."""
+        backend = self._backend
+        return (backend, backend.mark()) if backend is not None else None
 
     @staticmethod
     def _after_commit(result: _T, mark: _Mark) -> _T:
         """Return `result` once the records up to `mark` are durable; called without the
         lock, so other calls go on while this one waits for the disk."""
         if mark is not None:
-            journal, position = mark
-            journal.sync(position)
+            backend, position = mark
+            backend.wait_durable(position)
         return result
 
     def _state_locked(self) -> dict[str, Any]:
@@ -1278,9 +1102,9 @@ class ObjectStore:
             "objects": [obj.record(key) for key, obj in self._objects.items()],
         }
 
-    def _recover(self) -> None:
-        assert self._dir is not None
-        snapshot, records, last_gen = self._dir.load()
+    def _recover(self, backend: MetadataBackend) -> None:
+        loaded = backend.load()
+        snapshot, records = loaded.snapshot, loaded.records
         now = self._clock()
         max_replica = 0
         if snapshot is not None:
@@ -1312,11 +1136,9 @@ class ObjectStore:
         for obj in self._objects.values():
             obj.lease_until = lease
         self._replica_ids = itertools.count(max_replica + 1)
-        self._gen = last_gen
-        self._journal = Journal(self._dir.journal_path(self._gen), fsync=self.options.fsync)
         log.info("store recovered from %s: %d objects in %d segments awaiting remount",
-                 self._dir.path, len(self._objects), len(self._segments))
-        if snapshot is not None or records:
+                 backend.describe(), len(self._objects), len(self._segments))
+        if not loaded.empty:
             self.snapshot()  # start from one compact file; also drops a cut-off tail's file
 
     def _replay_mount(self, record: dict[str, Any], now: float) -> None:
@@ -1355,6 +1177,6 @@ class ObjectStore:
 
 
 __all__ = [
-    "ALIGNMENT", "ALLOCATION_STRATEGIES", "AllocationStrategy", "DataDir", "Journal",
-    "ObjectStore", "OffsetAllocator", "StoreOptions", "read_journal",
+    "ALIGNMENT", "ALLOCATION_STRATEGIES", "AllocationStrategy", "ObjectStore",
+    "OffsetAllocator", "StoreOptions",
 ]

@@ -16,13 +16,12 @@ from pathlib import Path
 import pytest
 
 from hixl.errors import ConfigError
+from hixl.server.metadata import Journal, read_journal
 from hixl.server.store import (
     ALIGNMENT,
-    Journal,
     ObjectStore,
     OffsetAllocator,
     StoreOptions,
-    read_journal,
 )
 from hixl.store_client import (
     ClientStatus,
