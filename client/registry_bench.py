@@ -65,8 +65,9 @@ class MasterProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hixl.server.master", "--host", "127.0.0.1",
                  "--port", str(port), "--log-level", log_level,
-                 # metadata on disk only when the caller names a place for it
-                 *(() if any(f.startswith("--data-dir") for f in extra) else ("--no-persist",)),
+                 # metadata kept only when the caller names a place for it (dir or etcd)
+                 *(() if any(f.startswith(("--data-dir", "--etcd-endpoints")) for f in extra)
+                   else ("--no-persist",)),
                  *extra],
                 stdout=subprocess.PIPE, stderr=log, text=True)
         self.target = self._wait_ready()

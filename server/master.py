@@ -6,7 +6,8 @@ It accepts mooncake_master's flag spellings (`-rpc_port=50051` as well as
 (`--default_kv_lease_ttl`, `--eviction_high_watermark_ratio`, `--eviction_ratio`,
 `--client_ttl`, `--allocation_strategy`, ...) configure the store. Unlike
 mooncake_master, committed store metadata survives a restart: it is kept in a data dir
-(`--data-dir`; `--no-persist` keeps it in memory only).
+(`--data-dir`), or on etcd (`--etcd-endpoints`, under `--etcd-prefix`); `--no-persist`
+keeps it in memory only.
 
 Every flag is also a key of a YAML file (`--config master.yaml`, keys named like the
 flags' dests: `port`, `client_ttl_s`, `data_dir`, ...) and an environment variable
@@ -34,7 +35,10 @@ import uvloop
 
 from hixl.auth import ENV_TOKEN, ENV_TOKEN_FILE, load_token
 from hixl.control import add_port, server_interceptors
-from hixl.errors import ConfigError
+from hixl.errors import ConfigError, HixlError
+from hixl.etcd import DEFAULT_PREFIX as DEFAULT_ETCD_PREFIX
+from hixl.etcd import DEFAULT_TIMEOUT_S as DEFAULT_ETCD_TIMEOUT_S
+from hixl.etcd import UNAVAILABLE_ERRORS, EtcdConfig
 from hixl.logs import setup_logging
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
 from hixl.server.config import describe_keys, keys_from_parser, layer_values
@@ -67,7 +71,7 @@ class StoreConfig:
     """The KV store's settings (units as mooncake: ms for kv lease, s for clients).
 
     data_dir "" means the default (`default_data_dir`); persist False keeps the store in
-    memory only.
+    memory only; etcd_endpoints puts the metadata on etcd instead (`etcd_settings`).
     """
 
     default_kv_lease_ttl_ms: int = 5_000
@@ -81,6 +85,14 @@ class StoreConfig:
     remount_grace_s: int = 60
     data_dir: str = ""
     persist: bool = True
+    etcd_endpoints: str = ""
+    etcd_prefix: str = DEFAULT_ETCD_PREFIX
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
+    etcd_timeout: float = DEFAULT_ETCD_TIMEOUT_S
 
     def options(self) -> StoreOptions:
         return StoreOptions(
@@ -190,6 +202,16 @@ def _ratio(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0.0 <= value <= 1.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"ratio must be in [0, 1], got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0.0 < value <= 3600.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds, got {text}")
     return value
 
 
@@ -310,6 +332,37 @@ def build_parser() -> argparse.ArgumentParser:
                             "--port 0)")
     store.add_argument("--no-persist", dest="persist", action="store_false",
                        help="keep the store in memory only (every key is lost on restart)")
+    etcd = parser.add_argument_group(
+        "store metadata on etcd (instead of --data-dir; several masters share one etcd)")
+    etcd.add_argument("--etcd-endpoints", dest="etcd_endpoints", default="",
+                      metavar="HOST:PORT,...",
+                      help="etcd members (comma-separated host:port, http:// or https://): "
+                           "when set, the store's committed metadata lives on etcd under "
+                           "--etcd-prefix instead of a data dir (not with --data-dir or "
+                           "--no-persist). Default: none (local data dir)")
+    etcd.add_argument("--etcd-prefix", dest="etcd_prefix", default=defaults.etcd_prefix,
+                      metavar="PREFIX",
+                      help="this cluster's key prefix on etcd, '/hixl/<cluster>/': clusters "
+                           "sharing one etcd each take their own (default %(default)s)")
+    etcd.add_argument("--etcd-ca-file", dest="etcd_ca_file", default="", metavar="FILE",
+                      help="PEM CA of the etcd members' certificates: TLS to etcd is on "
+                           "when given")
+    etcd.add_argument("--etcd-cert-file", dest="etcd_cert_file", default="", metavar="FILE",
+                      help="PEM client certificate for etcd (with --etcd-key-file), when "
+                           "etcd asks for one")
+    etcd.add_argument("--etcd-key-file", dest="etcd_key_file", default="", metavar="FILE",
+                      help="PEM private key of --etcd-cert-file")
+    etcd.add_argument("--etcd-user", dest="etcd_user", default="", metavar="USER",
+                      help="etcd user, when etcd has authentication on (with "
+                           "--etcd-password-file)")
+    etcd.add_argument("--etcd-password-file", dest="etcd_password_file", default="",
+                      metavar="FILE",
+                      help="file holding --etcd-user's password (never a command-line "
+                           "value: argv is world-readable)")
+    etcd.add_argument("--etcd-timeout", dest="etcd_timeout", type=_seconds,
+                      default=defaults.etcd_timeout, metavar="S",
+                      help="deadline of each etcd call in seconds: a change etcd cannot "
+                           "commit within it fails the store call (default %(default)s)")
     return parser
 
 
@@ -341,10 +394,59 @@ def _bind_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def etcd_settings(config: StoreConfig) -> EtcdConfig | None:
+    """The etcd the store's metadata goes to (None: no etcd_endpoints, a local data dir).
+
+    ConfigError naming the key: a bad value (EtcdConfig's checks), an unreadable or empty
+    password file, a user without a password file or the other way round, and the
+    contradictions: etcd_endpoints with data_dir (two homes for one store's metadata) or
+    with persist false (in memory only)."""
+    if not config.etcd_endpoints.strip():
+        return None
+    if config.data_dir:
+        raise ConfigError("data_dir and etcd_endpoints both say where the store's metadata "
+                          "lives: give one (with etcd, leave data_dir empty)")
+    if not config.persist:
+        raise ConfigError("persist is false (--no-persist: in memory only) but "
+                          "etcd_endpoints puts the store's metadata on etcd: give one")
+    if bool(config.etcd_user) != bool(config.etcd_password_file):
+        raise ConfigError("etcd_user and etcd_password_file go together: set both (etcd "
+                          "authentication) or neither")
+    password = ""
+    if config.etcd_password_file:
+        try:
+            with open(config.etcd_password_file, encoding="utf-8") as f:
+                password = f.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"etcd_password_file {config.etcd_password_file}: cannot read "
+                              f"it: {getattr(exc, 'strerror', None) or exc}") from None
+        if not password:
+            raise ConfigError(f"etcd_password_file {config.etcd_password_file} is empty")
+    return EtcdConfig(endpoints=config.etcd_endpoints, prefix=config.etcd_prefix,  # type: ignore[arg-type]
+                      ca_file=config.etcd_ca_file, cert_file=config.etcd_cert_file,
+                      key_file=config.etcd_key_file, user=config.etcd_user,
+                      password=password, timeout=config.etcd_timeout)
+
+
 def open_backend(config: StoreConfig, port: int) -> MetadataBackend | None:
     """Where the store's committed metadata lives, as the settings say (None: in memory
-    only). ConfigError (naming the directory) when the data dir cannot be used or another
-    master holds it."""
+    only): etcd when etcd_endpoints is set, else a local data dir. ConfigError (naming
+    the directory or the etcd prefix) when it cannot be used or another master holds it,
+    or when etcd cannot be reached."""
+    etcd = etcd_settings(config)
+    if etcd is not None:
+        from hixl.server.etcd_metadata import DEFAULT_WRITER_TTL_S, EtcdMetadataBackend
+        try:
+            # a master killed a moment ago still holds the claim until its lease ends
+            return EtcdMetadataBackend(etcd, wait_for_writer_s=DEFAULT_WRITER_TTL_S
+                                       + etcd.timeout)
+        except UNAVAILABLE_ERRORS as exc:
+            raise ConfigError(f"store metadata on {etcd.describe()}: cannot start: {exc} "
+                              "(check etcd_endpoints and that etcd is up)") from None
+        except HixlError as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"store metadata on {etcd.describe()}: {exc}") from None
     if not config.persist:
         return None
     data_dir = config.data_dir or default_data_dir(port)
@@ -496,6 +598,7 @@ def run_master(argv: list[str] | None = None) -> int:
     try:
         token = load_token(config.cluster_token_file or None)
         server_tls(config)  # an unusable TLS file is a configuration error too (exit 2)
+        etcd_settings(config.store)  # and so are unusable or contradictory etcd settings
     except ConfigError as exc:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -3,9 +3,10 @@ what only the local journal does.
 
 **The contract tests are reusable.** `TestBackendContract` runs against every entry of
 `PLACES` through the `place` fixture: a `Place` opens backends on one storage location
-(for the local journal a data dir; for etcd, a key prefix on the test cluster) and names
-that location. To run the same tests against the etcd backend, add its Place to `PLACES`
-(skipping when no etcd cluster is available); no test changes. The tests never read a
+(for the local journal a data dir; for etcd, a fresh key prefix on a real 3-member
+cluster, tests/etcd_cluster.py) and names that location. Another backend joins by adding
+its Place to `PLACES`; no test changes. Without etcd or aetcd the etcd places skip (under
+CI=true they fail). The tests never read a
 backend's storage directly: they compare what `load()` yields, replayed by `fold` (the
 reference replay of the module docstring's record kinds), with the records appended — so
 a backend that loads snapshot-shaped state and no records (etcd) passes the same tests
@@ -21,14 +22,17 @@ import json
 import logging
 import re
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from etcd_cluster import EtcdCluster, start_cluster_or_skip
 
 from hixl.errors import ConfigError
+from hixl.server.etcd_metadata import EtcdMetadataBackend
 from hixl.server.master import StoreConfig, open_backend
 from hixl.server.metadata import (
     LoadedState,
@@ -229,9 +233,39 @@ class LocalPlace(Place):
         return LocalJournalBackend(self.path)
 
 
+class EtcdPlace(Place):
+    """A fresh key prefix on the shared test cluster (`etcd_cluster()`)."""
+
+    def __init__(self, cluster: EtcdCluster) -> None:
+        self.endpoints = cluster.endpoints
+        self.location = f"/hixl/contract-{uuid.uuid4().hex[:8]}/"
+
+    def open(self) -> MetadataBackend:
+        return EtcdMetadataBackend({"endpoints": self.endpoints, "prefix": self.location})
+
+
+_ETCD: list[EtcdCluster] = []
+
+
+def etcd_cluster() -> EtcdCluster:
+    """One 3-member cluster for this module's etcd places, started on first use (skips
+    without etcd, except under CI) and stopped after the module (`_stop_etcd`)."""
+    if not _ETCD:
+        _ETCD.append(start_cluster_or_skip(3))
+    return _ETCD[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_etcd() -> Iterator[None]:
+    yield
+    while _ETCD:
+        _ETCD.pop().close()
+
+
 #: every backend the contract runs against: name -> Place on a fresh location
 PLACES: dict[str, Callable[[Path], Place]] = {
     "local": lambda tmp_path: LocalPlace(tmp_path / "data"),
+    "etcd": lambda tmp_path: EtcdPlace(etcd_cluster()),
 }
 
 
