@@ -391,8 +391,9 @@ def add_status(subparsers: Any) -> None:
     p.add_argument("--agent", metavar="HOST:PORT", type=_host_port,
                    help=f"agent to ask (default {admin.DEFAULT_AGENT} unless only --master "
                         "is given)")
-    p.add_argument("--master", metavar="HOST:PORT", type=_host_port,
-                   help="hixl-master to ask (default: the agent's master, if it has one)")
+    p.add_argument("--master", metavar="HOST:PORT[,HOST:PORT...]", type=_master_list,
+                   help="hixl-master to ask, or every master of the cluster (the call fails "
+                        "over between them; default: the agent's master(s), if any)")
     _admin_flags(p, json_help="print the report as JSON instead of text")
     p.set_defaults(handler=run_status_command)
 
@@ -421,8 +422,9 @@ def add_segments(subparsers: Any) -> None:
                     "endpoint; from a hixl-master's registry, or an agent's embedded one (an "
                     "agent that publishes to a master shows its own segments).")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--master", metavar="HOST:PORT", type=_host_port,
-                        help="read the registry of this hixl-master")
+    source.add_argument("--master", metavar="HOST:PORT[,HOST:PORT...]", type=_master_list,
+                        help="read the registry of this hixl-master (several, "
+                             "comma-separated: the first that serves)")
     source.add_argument("--agent", metavar="HOST:PORT", type=_host_port,
                         help=f"read this agent (default {admin.DEFAULT_AGENT})")
     p.add_argument("--node", metavar="NODE_ID", help="only segments on this node")
@@ -451,8 +453,10 @@ def add_keys(subparsers: Any) -> None:
                     "no lease and counts as no access.")
     p.add_argument("pattern", metavar="PATTERN", nargs="?", default="",
                    help="regular expression (default: all keys)")
-    p.add_argument("--master", metavar="HOST:PORT", type=_host_port, required=True,
-                   help="the hixl-master serving the store")
+    p.add_argument("--master", metavar="HOST:PORT[,HOST:PORT...]", type=_master_list,
+                   required=True,
+                   help="the hixl-master serving the store (several, comma-separated: the "
+                        "first that serves)")
     p.add_argument("--limit", type=_positive_int, default=admin.DEFAULT_KEY_LIMIT,
                    help=f"list at most this many keys (default {admin.DEFAULT_KEY_LIMIT}; the "
                         "master lists at most 10000 per call)")
@@ -474,6 +478,18 @@ def run_keys_command(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- soak
+
+
+def _master_list(text: str) -> str:
+    """--master of the admin commands: one hixl-master, or several (comma-separated: the
+    command fails over between them as every master client does)."""
+    from hixl.errors import ParamInvalid
+    from hixl.failover import parse_addresses
+
+    try:
+        return ",".join(parse_addresses(text, "master address"))
+    except ParamInvalid as exc:
+        raise argparse.ArgumentTypeError(exc.args[0]) from None
 
 
 def _host_port_list(text: str) -> tuple[str, ...]:

@@ -4,8 +4,10 @@ One daemon thread holds one registry watch stream (hixl-master, or any agent's e
 registry): a SNAPSHOT, then ADDED/REMOVED and ENGINE_UP/ENGINE_DOWN as they happen. So an
 engine knows every peer's segments, epoch and endpoints without an RPC per operation or
 per connect. When the stream breaks (registry restarted, network cut) the thread
-reconnects with back-off and resyncs from a fresh SNAPSHOT; meanwhile the last view
-stays readable (`synced` is False), since the data path itself reports dead peers.
+reconnects with back-off (to the next master address, given several, when the one it
+followed is gone or not the leader) and resyncs from a fresh SNAPSHOT; meanwhile the
+last view stays readable (`synced` is False), since the data path itself reports dead
+peers.
 
 Readers never wait for the thread: each engine's view is copy-on-write (the thread
 builds a new `EngineView` per change and swaps it in), so a lookup is a dict read plus a
@@ -19,10 +21,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hixl.errors import HixlError, NotConnected, OutOfRange, ParamInvalid
+from hixl.failover import Endpoints
 from hixl.registry_client import (
     EngineEndpoints,
     EngineInfo,
@@ -60,17 +63,20 @@ class EngineView:
 class GlobalTable:
     """The registry's table, mirrored in this process by a watch stream."""
 
-    def __init__(self, registry: str, *, timeout: float = 5.0,
+    def __init__(self, registry: str | Sequence[str], *, timeout: float = 5.0,
                  backoff_max: float = BACKOFF_MAX_S,
                  cluster_token: str | bytes | None = None, tls: TlsSetting = None) -> None:
-        """`cluster_token`: proves this watcher to a registry that requires one; `tls`:
-        how to dial it (hixl.tls: ClientTLS, False for plaintext, None: HIXL_TLS_*)."""
-        if not isinstance(registry, str) or not registry:
-            raise ParamInvalid(f"registry must be 'host:port', got {registry!r}")
+        """`registry`: "host:port", or every master of the cluster ("h1:p1,h2:p2" or a
+        list): the watch follows one, and moves to the next (or the leader a standby
+        names) when its stream breaks. `cluster_token`: proves this watcher to a registry
+        that requires one; `tls`: how to dial it (hixl.tls: ClientTLS, False for
+        plaintext, None: HIXL_TLS_*)."""
         if not timeout > 0 or not backoff_max > 0:
             raise ParamInvalid(f"timeout and backoff_max must be positive, got {timeout}, "
                                f"{backoff_max}")
-        self.registry = registry
+        self._endpoints = Endpoints(registry, "registry address")
+        #: every registry address, as given ("h1:p1,h2:p2")
+        self.registry = self._endpoints.describe()
         self._token = cluster_token
         self._tls = client_tls(tls) or False  # resolved once: every reconnect dials alike
         self._timeout = timeout
@@ -184,10 +190,18 @@ class GlobalTable:
 
     # ------------------------------------------------------------------ the watch thread
 
+    @property
+    def current(self) -> str:
+        """The registry address the watch follows now (or reconnects to next)."""
+        return self._endpoints.current()
+
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
-            client = RegistryClient(self.registry, timeout=self._timeout,
+            # a new client (fresh channel) per reconnect, sharing the address rotation: a
+            # watch that broke because its master is gone moved it to the next address
+            address = self._endpoints.current()
+            client = RegistryClient(self._endpoints, timeout=self._timeout,
                                     cluster_token=self._token, tls=self._tls)
             try:
                 watch = client.open_watch(engines=True)
@@ -199,12 +213,13 @@ class GlobalTable:
                     self._apply(event)
                     failures = 0
                 if not self._stop.is_set():
-                    log.info("registry %s ended the watch; resyncing", self.registry)
+                    log.info("registry %s ended the watch; resyncing", address)
             except HixlError as exc:
                 level = logging.INFO if failures == 0 else logging.DEBUG
-                log.log(level, "registry %s watch lost: %s (resyncing)", self.registry, exc)
+                log.log(level, "registry %s watch lost: %s (resyncing from %s)", address, exc,
+                        self._endpoints.current())
             except Exception:  # a bug in applying must not silently freeze the table
-                log.exception("registry %s watch failed; resyncing", self.registry)
+                log.exception("registry %s watch failed; resyncing", address)
             finally:
                 with self._watch_lock:
                     self._watch = None

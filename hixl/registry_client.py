@@ -2,6 +2,7 @@
 
 Every unary call has a deadline, so a dead or wedged master turns into a typed error
 instead of a hang; the watch stream pings the server so a vanished master ends it too.
+Given several master addresses, calls fail over between them (hixl.failover).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +25,9 @@ from hixl.control import (
     segment_from_pb,
     segments_from_columns,
 )
-from hixl.errors import ParamInvalid
-from hixl.tls import TlsSetting
+from hixl.errors import HixlError, NotConnected, ParamInvalid
+from hixl.failover import Endpoints, TryNext, rpc_failure
+from hixl.tls import TlsSetting, client_tls
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
 
@@ -43,6 +46,9 @@ CLIENT_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     # A whole-cluster QuerySegments reply outgrows gRPC's default 4 MiB limit.
     ("grpc.max_receive_message_length", 256 << 20),
 ]
+
+#: leases whose granting address a client remembers (an agent holds one at a time)
+MAX_LEASES_KEPT = 64
 
 _KIND_NAMES = {value: name for name, value in agent_pb2.SegmentEvent.Kind.items()}
 
@@ -143,12 +149,17 @@ class RegistryWatch:
 
     A SNAPSHOT split over several messages (`more`) is joined here, so callers always
     see one whole snapshot. Errors leave as typed HixlErrors (PeerUnavailable when the
-    registry goes away, ResourceExhausted when it dropped this watcher for lagging).
+    registry goes away, NotLeader from a standby master, ResourceExhausted when it
+    dropped this watcher for lagging); a registry gone or not leading is also reported to
+    `endpoints`, so the next watch opens at the next address (or the leader named).
     """
 
-    def __init__(self, call: Any, what: str) -> None:
+    def __init__(self, call: Any, what: str, endpoints: Endpoints | None = None,
+                 address: str = "") -> None:
         self._call = call
         self._what = what
+        self._endpoints = endpoints
+        self._address = address
         self._closed = False
 
     def __iter__(self) -> RegistryWatch:
@@ -165,7 +176,7 @@ class RegistryWatch:
             except grpc.RpcError as exc:
                 if self._closed:
                     raise StopIteration from None
-                raise error_from_rpc(exc, self._what) from None
+                raise self._failure(exc) from None
             with collector_paused():
                 segments.extend(segment_from_pb(s) for s in pb.segments)
                 for block in pb.columns:
@@ -174,6 +185,14 @@ class RegistryWatch:
             if not pb.more:
                 return WatchEvent(_KIND_NAMES.get(pb.kind, str(pb.kind)), pb.epoch,
                                   segments, engines)
+
+    def _failure(self, exc: grpc.RpcError) -> HixlError:
+        outcome = rpc_failure(exc, self._what, error_from_rpc)
+        if not isinstance(outcome, TryNext):
+            return outcome
+        if self._endpoints is not None:
+            self._endpoints.failed(self._address, outcome.leader)
+        return outcome.error
 
     def close(self) -> None:
         self._closed = True
@@ -187,25 +206,69 @@ class RegistryWatch:
 
 
 class RegistryClient:
-    """publish / keepalive / unpublish / query / watch against one registry server.
+    """publish / keepalive / unpublish / query / watch against one registry service.
+
+    `target`: its "host:port", or every master of the cluster ("h1:p1,h2:p2", a list, or
+    an `Endpoints` shared with other clients): calls go to one at a time and fail over
+    as hixl.failover says; every call here is safe to repeat. A lease belongs to the
+    master that granted it: once calls have moved to another master, `keepalive` of that
+    lease raises NotConnected at once (publish again, as after a master restart) rather
+    than renewing whatever lease the other master has under the same number.
 
     With a `cluster_token`, every call proves it (hixl.auth), as a registry with a token
     requires. `tls`: a hixl.tls.ClientTLS to dial with TLS, False for plaintext, None as
     HIXL_TLS_CA_FILE (and friends) say.
     """
 
-    def __init__(self, target: str, *, timeout: float = 5.0,
+    def __init__(self, target: str | Sequence[str] | Endpoints, *, timeout: float = 5.0,
                  cluster_token: str | bytes | None = None, tls: TlsSetting = None) -> None:
         if timeout <= 0:
             raise ParamInvalid(f"registry client timeout must be positive, got {timeout}")
-        self.target = target
+        self.endpoints = target if isinstance(target, Endpoints) else Endpoints(
+            target, "registry address")
+        #: every address, as given ("h1:p1,h2:p2"); `current` is the one in use
+        self.target = self.endpoints.describe()
         self.timeout = timeout
-        self._channel, channel = open_channel(target, token=as_token(cluster_token), tls=tls,
-                                              options=CLIENT_KEEPALIVE_OPTIONS)
-        self._stub = agent_pb2_grpc.RegistryStub(channel)
+        self._token = as_token(cluster_token)
+        self._tls = client_tls(tls) or False  # resolved once: every address dials alike
+        self._channels: dict[str, tuple[grpc.Channel, agent_pb2_grpc.RegistryStub]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._leases: dict[int, str] = {}  # lease id -> the address that granted it
+        self._stub(self.endpoints.current())  # a bad first address fails here, not later
 
-    def _deadline(self, timeout: float | None) -> float:
-        return self.timeout if timeout is None else timeout
+    @property
+    def current(self) -> str:
+        """The registry address calls go to now."""
+        return self.endpoints.current()
+
+    def _stub(self, address: str) -> agent_pb2_grpc.RegistryStub:
+        held = self._channels.get(address)
+        if held is not None:
+            return held[1]
+        with self._lock:
+            held = self._channels.get(address)
+            if held is None:
+                if self._closed:
+                    raise ParamInvalid(f"registry client for {self.target} is closed")
+                channel, intercepted = open_channel(address, token=self._token, tls=self._tls,
+                                                    options=CLIENT_KEEPALIVE_OPTIONS)
+                held = self._channels[address] = (channel,
+                                                  agent_pb2_grpc.RegistryStub(intercepted))
+        return held[1]
+
+    def _call(self, method: str, request: Any, what: Callable[[str], str],
+              timeout: float | None, lease: int | None = None) -> Any:
+        """`method` at the current registry, failing over within one deadline; with a
+        `lease`, only at the address that granted it (NotConnected elsewhere)."""
+        def attempt(address: str, deadline: float) -> Any:
+            held_at = self._leases.get(lease) if lease is not None else None
+            if held_at is not None and held_at != address:
+                raise NotConnected(f"{what(address)}: the lease was granted by registry "
+                                   f"{held_at}, and calls now go to {address}: publish again")
+            return self._call_at(address, method, request, what, deadline)
+        limit = self.timeout if timeout is None else timeout
+        return self.endpoints.call(attempt, timeout=limit, idempotent=True)
 
     def publish(self, engine: str, node_id: str, epoch: int, segments: Sequence[SegmentInfo],
                 ttl_ms: int, timeout: float | None = None, *,
@@ -216,29 +279,44 @@ class RegistryClient:
         add_segments(request.segments, segments)
         if endpoints is not None:
             request.endpoints.CopyFrom(endpoints_to_pb(endpoints))
-        try:
-            reply = self._stub.Publish(request, timeout=self._deadline(timeout))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"publish {engine!r} to registry {self.target}") from None
+        granted: list[str] = []
+
+        def attempt(address: str, deadline: float) -> Any:
+            reply = self._call_at(address, "Publish", request,
+                                  lambda at: f"publish {engine!r} to registry {at}", deadline)
+            granted.append(address)
+            return reply
+        limit = self.timeout if timeout is None else timeout
+        reply = self.endpoints.call(attempt, timeout=limit, idempotent=True)
+        with self._lock:
+            self._leases.pop(reply.lease_id, None)
+            self._leases[reply.lease_id] = granted[-1]
+            while len(self._leases) > MAX_LEASES_KEPT:
+                del self._leases[next(iter(self._leases))]
         return reply.lease_id
 
-    def keepalive(self, lease_id: int, timeout: float | None = None) -> int:
-        """Extend the lease; returns its ttl in ms. NotConnected once it has expired."""
+    def _call_at(self, address: str, method: str, request: Any,
+                 what: Callable[[str], str], deadline: float) -> Any:
         try:
-            reply = self._stub.KeepAlive(agent_pb2.KeepAliveRequest(lease_id=lease_id),
-                                         timeout=self._deadline(timeout))
+            return getattr(self._stub(address), method)(
+                request, timeout=max(0.001, deadline - time.monotonic()))
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"keepalive of lease {lease_id} at registry "
-                                      f"{self.target}") from None
+            raise rpc_failure(exc, what(address), error_from_rpc) from None
+
+    def keepalive(self, lease_id: int, timeout: float | None = None) -> int:
+        """Extend the lease; returns its ttl in ms. NotConnected once it has expired (or
+        once calls moved to a master other than the one that granted it)."""
+        reply = self._call("KeepAlive", agent_pb2.KeepAliveRequest(lease_id=lease_id),
+                           lambda at: f"keepalive of lease {lease_id} at registry {at}",
+                           timeout, lease=lease_id)
         return reply.ttl_ms
 
     def unpublish(self, lease_id: int, timeout: float | None = None) -> None:
-        try:
-            self._stub.Unpublish(agent_pb2.UnpublishRequest(lease_id=lease_id),
-                                 timeout=self._deadline(timeout))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"unpublish of lease {lease_id} at registry "
-                                      f"{self.target}") from None
+        self._call("Unpublish", agent_pb2.UnpublishRequest(lease_id=lease_id),
+                   lambda at: f"unpublish of lease {lease_id} at registry {at}", timeout,
+                   lease=lease_id)
+        with self._lock:
+            self._leases.pop(lease_id, None)
 
     def query(self, engine: str = "", timeout: float | None = None) -> list[SegmentInfo]:
         """Segments of one engine ("" = every engine)."""
@@ -250,11 +328,8 @@ class RegistryClient:
         return [engine_info_from_pb(pb) for pb in self._query(engine, timeout).engines]
 
     def _query(self, engine: str, timeout: float | None) -> agent_pb2.QuerySegmentsReply:
-        try:
-            return self._stub.QuerySegments(agent_pb2.QuerySegmentsRequest(engine=engine),
-                                            timeout=self._deadline(timeout))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"query of registry {self.target}") from None
+        return self._call("QuerySegments", agent_pb2.QuerySegmentsRequest(engine=engine),
+                          lambda at: f"query of registry {at}", timeout)
 
     def watch(self, timeout: float | None = None,
               ) -> Iterator[tuple[str, int, list[SegmentInfo]]]:
@@ -270,21 +345,28 @@ class RegistryClient:
 
     def open_watch(self, *, engines: bool = True, timeout: float | None = None,
                    columns: bool = True) -> RegistryWatch:
-        """A watch stream of WatchEvents: SNAPSHOT first, then changes as they happen.
+        """A watch stream of WatchEvents at the current address: SNAPSHOT first, then
+        changes as they happen.
 
         `engines` asks for membership too (engines in the SNAPSHOT, ENGINE_UP/ENGINE_DOWN
         events). `columns` asks for segments in compact form (SegmentColumns: a third of
         the bytes, decoded in bulk; a registry that predates it sends Segments, which are
         read just the same). No deadline unless `timeout` is given; keepalive pings end
-        the stream when the registry vanishes. `close()` on the result cancels it from
+        the stream when the registry vanishes, and the next `open_watch` goes to the next
+        address (or the leader a standby named). `close()` on the result cancels it from
         any thread.
         """
-        call = self._stub.Watch(
+        address = self.endpoints.current()
+        call = self._stub(address).Watch(
             agent_pb2.WatchRegistryRequest(engines=engines, columns=columns), timeout=timeout)
-        return RegistryWatch(call, f"watch of registry {self.target}")
+        return RegistryWatch(call, f"watch of registry {address}", self.endpoints, address)
 
     def close(self) -> None:
-        self._channel.close()
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for channel, _ in channels:
+            channel.close()
 
     def __enter__(self) -> RegistryClient:
         return self

@@ -41,6 +41,11 @@ them; a missing key is OBJECT_NOT_FOUND, never an exception. Every call has a de
 down, calls fail at once (the channel retries the connection in the background within
 2 s of the master's return).
 
+Several masters (one leader, standbys): `MasterClient("h1:p1,h2:p2")`. Calls go to one
+at a time and move on, within their deadline, when it is unreachable or not the leader
+(`hixl.failover`); a put or removal whose request may have reached a master that died is
+not repeated elsewhere: it fails with RPC_FAIL, as with one master.
+
 Batch forms (`batch_*`) take lists and cost one RPC whatever their length; the single
 forms are batches of one. Engine endpoints (data addresses) of the segments' owners:
 `list_segments()`.
@@ -49,6 +54,7 @@ forms are batches of one. Engine endpoints (data addresses) of the segments' own
 from __future__ import annotations
 
 import enum
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -61,6 +67,7 @@ from hixl import wire
 from hixl.auth import as_token
 from hixl.control import error_from_rpc, node_identity, open_channel
 from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid, PeerUnavailable
+from hixl.failover import Endpoints, NotLeader, TryNext, rpc_failure
 from hixl.registry_client import (
     CLIENT_KEEPALIVE_OPTIONS,
     NO_ENDPOINTS,
@@ -265,6 +272,10 @@ class MasterAuthenticationFailed(MasterRpcError, AuthenticationFailed):
     """The master refused our cluster token (or asked for one we do not have)."""
 
 
+class MasterNotLeader(MasterUnavailable, NotLeader):
+    """The master answered that it is not the leader (and no leader answered in time)."""
+
+
 _UNAVAILABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                 grpc.StatusCode.CANCELLED})
 
@@ -354,9 +365,32 @@ def key_info_from_pb(pb: store_pb2.KeyInfo) -> KeyInfo:
 
 # ---------------------------------------------------------------------------- client
 
+#: calls that must not run twice: repeated at another master only when the request
+#: provably never left (a repeated PutEnd / Remove would report a done thing as failed,
+#: a repeated PutStart would leave a second put in progress)
+NOT_IDEMPOTENT = frozenset({"PutStart", "PutEnd", "PutRevoke", "Remove", "RemoveByRegex",
+                            "RemoveAll", "UnmountSegment"})
+#: replies that name the master's store call endpoint port (`fast_port`)
+ADVERTISING = frozenset({"Heartbeat", "MountSegment"})
+
+
+@dataclass
+class _MasterLink:
+    """One master address's gRPC channel (to close), stub, and call endpoint use."""
+
+    channel: grpc.Channel
+    stub: Any
+    fast: FastPath | None
+
+
 
 class MasterClient:
     """One method per Master RPC; per-key outcomes are ErrorCodes, failed calls raise.
+
+    `target`: the master's "host:port", or every master of the cluster ("h1:p1,h2:p2" or
+    a list): calls go to one at a time and fail over to the next as hixl.failover says
+    (idempotent calls are retried there within their deadline; a put or removal only
+    when its request provably never left, else it fails with RPC_FAIL).
 
     `client_id` names this client to the master (its mounts, heartbeats and puts); the
     default is a fresh uuid4, i.e. one identity per process. `node_id` is this client's
@@ -370,91 +404,142 @@ class MasterClient:
     on gRPC. Either way a call has the same deadline, errors and request id.
     """
 
-    def __init__(self, target: str, *, timeout: float = 5.0,
+    def __init__(self, target: str | Sequence[str], *, timeout: float = 5.0,
                  cluster_token: str | bytes | None = None, client_id: str | None = None,
                  node_id: str | None = None, fast: bool = True,
                  tls: TlsSetting = None) -> None:
         if not timeout > 0:
             raise ParamInvalid(f"master client timeout must be positive, got {timeout}")
-        self.target = target
+        self.endpoints = Endpoints(target, "master address")
+        #: every master address, as given ("h1:p1,h2:p2"); `current` is the one in use
+        self.target = self.endpoints.describe()
         self.timeout = timeout
         self.client_id = client_id or uuid.uuid4().hex
         self.node_id = node_identity() if node_id is None else node_id
-        token = as_token(cluster_token)
-        settings = client_tls(tls)
-        self._channel, channel = open_channel(target, token=token, tls=settings or False,
-                                              options=CLIENT_KEEPALIVE_OPTIONS)
-        self._stub = store_pb2_grpc.MasterStub(channel)
+        self._token = as_token(cluster_token)
+        self._tls = client_tls(tls)
         # the store call endpoint is a plain socket: a client dialling with TLS keeps every
         # call inside TLS
-        host = target_host(target) if fast and settings is None else None
-        self._fast = FastPath(host, token, self.client_id) if host is not None else None
+        self._use_fast = fast and self._tls is None
+        self._links: dict[str, _MasterLink] = {}
+        self._links_lock = threading.Lock()
+        self._closed = False
+        self._link(self.endpoints.current())  # a bad first address fails here, not later
+
+    @property
+    def current(self) -> str:
+        """The master address calls go to now."""
+        return self.endpoints.current()
 
     @property
     def fast_calls(self) -> int:
         """Calls answered over the store call endpoint so far (the rest went over gRPC)."""
-        return self._fast.calls if self._fast is not None else 0
+        return sum(link.fast.calls for link in list(self._links.values())
+                   if link.fast is not None)
 
     @property
     def fast_port(self) -> int | None:
-        """The store call endpoint's port as last advertised (None: not known, or none)."""
-        return (self._fast.port or None) if self._fast is not None else None
+        """The current master's store call endpoint port as last advertised (None: not
+        known, or none)."""
+        link = self._links.get(self.current)
+        return (link.fast.port or None) if link is not None and link.fast is not None else None
+
+    def _advertised(self, port: int) -> None:
+        """As if the current master had advertised its call endpoint at `port`."""
+        fast = self._link(self.current).fast
+        if fast is not None:
+            fast.advertised(port)
+
+    def _link(self, address: str) -> _MasterLink:
+        """The channel, stub and call endpoint of one master, made on first use."""
+        link = self._links.get(address)
+        if link is not None:
+            return link
+        with self._links_lock:
+            link = self._links.get(address)
+            if link is None:
+                if self._closed:
+                    raise MasterRpcError(f"master client for {self.target} is closed")
+                channel, intercepted = open_channel(address, token=self._token,
+                                                    tls=self._tls or False,
+                                                    options=CLIENT_KEEPALIVE_OPTIONS)
+                host = target_host(address) if self._use_fast else None
+                fast = FastPath(host, self._token, self.client_id) if host else None
+                link = _MasterLink(channel, store_pb2_grpc.MasterStub(intercepted), fast)
+                self._links[address] = link
+        return link
 
     def _call(self, method: str, request: Any, what: str, timeout: float | None) -> Any:
-        """Call `method` (a Master RPC's name): over the call endpoint when it is one of
-        its methods and the endpoint is known and reachable, else over gRPC."""
+        """Call `method` (a Master RPC's name) at the current master, failing over to the
+        next ones (hixl.failover) within one deadline."""
         limit = self.timeout if timeout is None else timeout
-        fast = self._fast
+        return self.endpoints.call(
+            lambda address, deadline: self._attempt(address, method, request, what, deadline),
+            timeout=limit, idempotent=method not in NOT_IDEMPOTENT)
+
+    def _attempt(self, address: str, method: str, request: Any, what: str,
+                 deadline: float) -> Any:
+        """One master's answer: over its call endpoint when it is one of its methods and
+        the endpoint is known and reachable, else over gRPC. TryNext when this master
+        cannot serve the call (unreachable, not the leader)."""
+        link = self._link(address)
+        where = f"{what} at master {address}"
+        fast = link.fast
         if fast is not None and method in MESSAGES:
-            deadline = time.monotonic() + limit
             if fast.should_probe():
-                self._probe(fast, deadline)
-            reply = self._fast_call(fast, method, request, what, deadline)
+                self._probe(link, deadline)
+            reply = self._fast_call(fast, method, request, where, deadline)
             if reply is not None:
                 return reply
-            limit = deadline - time.monotonic()
-            if limit <= 0:
-                raise MasterUnavailable(f"{what} at master {self.target}: no answer before "
-                                        "the deadline")
+        limit = deadline - time.monotonic()
+        if limit <= 0:  # the endpoint's attempt left no time: nothing went over gRPC
+            raise TryNext(MasterUnavailable(f"{where}: no answer before the deadline"),
+                          sent=False)
         try:
-            return getattr(self._stub, method)(request, timeout=limit)
+            reply = getattr(link.stub, method)(request, timeout=limit)
         except grpc.RpcError as exc:
-            raise master_error(exc, f"{what} at master {self.target}") from None
+            raise rpc_failure(exc, where, master_error, MasterNotLeader) from None
+        if method in ADVERTISING and fast is not None:
+            fast.advertised(reply.fast_port)
+        return reply
 
-    def _fast_call(self, fast: FastPath, method: str, request: Any, what: str,
+    @staticmethod
+    def _fast_call(fast: FastPath, method: str, request: Any, where: str,
                    deadline: float) -> Any:
         """The reply over the call endpoint, or None when it is not available now."""
-        where = f"{what} at master {self.target}"
         try:
             reply = fast.call(method, request.SerializeToString(), deadline)
+        except NotLeader as exc:
+            raise TryNext(MasterNotLeader(f"{where}: {exc.args[0]}", leader=exc.leader),
+                          sent=False, leader=exc.leader) from None
         except CallFailed as exc:
             raise MasterRpcError(f"{where}: {exc.args[0]}", status=exc.status) from None
         except AuthenticationFailed as exc:
             raise MasterAuthenticationFailed(f"{where}: {exc.args[0]}") from None
         except TimeoutError:
-            raise MasterUnavailable(f"{where}: no answer before the deadline") from None
+            raise TryNext(MasterUnavailable(f"{where}: no answer before the deadline")) \
+                from None
         except OSError as exc:
-            raise MasterUnavailable(f"{where}: the connection to its store call endpoint "
-                                    f"broke after the request was sent ({exc})") from None
+            raise TryNext(MasterUnavailable(
+                f"{where}: the connection to its store call endpoint broke after the "
+                f"request was sent ({exc})")) from None
         except wire.ProtocolError as exc:
             raise MasterRpcError(f"{where}: bad reply from its store call endpoint: "
                                  f"{exc}") from None
         return None if reply is None else MESSAGES[method][1].FromString(reply)
 
-    def _probe(self, fast: FastPath, deadline: float) -> None:
+    @staticmethod
+    def _probe(link: _MasterLink, deadline: float) -> None:
         """Ask the master for its call endpoint's port: a Heartbeat without client id
         registers nothing. A failure is left to the call itself (over gRPC)."""
+        assert link.fast is not None
         try:
-            reply = self._stub.Heartbeat(store_pb2.HeartbeatRequest(client_id=""),
-                                         timeout=max(0.001, deadline - time.monotonic()))
+            reply = link.stub.Heartbeat(store_pb2.HeartbeatRequest(client_id=""),
+                                        timeout=max(0.001, deadline - time.monotonic()))
         except grpc.RpcError:
-            fast.unreachable()
+            link.fast.unreachable()
             return
-        fast.advertised(reply.fast_port)
-
-    def _advertised(self, port: int) -> None:
-        if self._fast is not None:
-            self._fast.advertised(port)
+        link.fast.advertised(reply.fast_port)
 
     # -- segments and liveness -------------------------------------------------------
 
@@ -465,7 +550,6 @@ class MasterClient:
         reply = self._call("MountSegment", store_pb2.MountSegmentRequest(
             client_id=self.client_id, segment=store_segment_to_pb(segment)),
             f"mount of segment {segment.engine}/{segment.segment_id}", timeout)
-        self._advertised(reply.fast_port)
         return SegmentResult(reply.code, reply.message, reply.restored_objects)
 
     def unmount_segment(self, engine: str, segment_id: int, timeout: float | None = None,
@@ -481,7 +565,6 @@ class MasterClient:
         reply = self._call("Heartbeat",
                            store_pb2.HeartbeatRequest(client_id=self.client_id),
                            "heartbeat", timeout)
-        self._advertised(reply.fast_port)
         return HeartbeatResult(ClientStatus(reply.status) if reply.status in (0, 1, 2)
                                else ClientStatus.UNDEFINED, reply.client_ttl_ms)
 
@@ -620,9 +703,13 @@ class MasterClient:
     # -- lifetime --------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._fast is not None:
-            self._fast.close()
-        self._channel.close()
+        with self._links_lock:
+            self._closed = True
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            if link.fast is not None:
+                link.fast.close()
+            link.channel.close()
 
     def __enter__(self) -> MasterClient:
         return self
@@ -633,8 +720,9 @@ class MasterClient:
 
 __all__ = [
     "ClientStatus", "CountResult", "GetReplicasResult", "HeartbeatResult", "KeyInfo",
-    "KeyListing", "KeyReplica", "KeyState", "MasterClient",
+    "KeyListing", "KeyReplica", "KeyState", "MasterClient", "MasterNotLeader",
     "MasterAuthenticationFailed", "MasterRpcError", "MasterUnavailable", "MountedSegment",
+    "NOT_IDEMPOTENT",
     "PutStartResult", "Replica", "ReplicaConfig", "ReplicaState", "SegmentResult",
     "SoftPinAction", "StoreSegment", "key_info_from_pb", "key_info_to_pb", "master_error",
     "replica_config_from_pb",

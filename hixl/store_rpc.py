@@ -14,8 +14,9 @@ when it knows one and falls back to gRPC when the endpoint cannot be reached. Fa
 contract, the same as gRPC's: every call has a deadline (socket timeouts); a request
 that may have reached the master is never sent twice, and a call whose connection
 breaks after the request was sent fails with MasterUnavailable (the store's RPC_FAIL);
-a cached connection the master has since closed (it restarted) is noticed before use
-and replaced.
+a standby master's NOT_LEADER reply (the call was not applied) sends the caller to the
+leader (hixl.failover); a cached connection the master has since closed (it restarted)
+is noticed before use and replaced.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from hixl import wire
 from hixl.errors import AuthenticationFailed, HixlError
+from hixl.failover import NotLeader
 from hixl.logs import current_request_id
 from hixl.transports.tcp import tune_socket
 from hixl.v1 import store_pb2
@@ -119,8 +121,9 @@ class CallConnection:
 
     def call(self, method: int, caller_id: bytes, message: bytes, deadline: float) -> bytes:
         """Send one CALL and return the reply message. NotSent if the request did not
-        leave whole (safe to resend); CallFailed for an error reply (the connection stays
-        usable); any other OSError / TimeoutError / ProtocolError once it was sent."""
+        leave whole (safe to resend); CallFailed for an error reply, hixl.failover.NotLeader
+        for a standby's refusal (the connection stays usable either way); any other
+        OSError / TimeoutError / ProtocolError once it was sent."""
         frame = self._proto.call(method, caller_id, len(message))
         try:
             self._send(frame + message, deadline)
@@ -158,6 +161,10 @@ class CallConnection:
             raise wire.ProtocolError(wire.Reason.BAD_FRAME,
                                      f"{have - total} bytes nobody asked for after a reply")
         if header.flags & wire.FLAG_ERROR_TEXT:
+            if header.reason == wire.Reason.NOT_LEADER:  # unapplied: the caller goes elsewhere
+                leader = bytes(payload).decode("utf-8", "replace").strip()
+                raise NotLeader(f"master {self.address} (call endpoint) is not the leader "
+                                f"(leader: {leader or 'unknown'})", leader=leader)
             error = wire.reply_error(header, bytes(payload))
             if isinstance(error, AuthenticationFailed):
                 raise error
@@ -241,7 +248,8 @@ class FastPath:
     def call(self, method: str, message: bytes, deadline: float) -> bytes | None:
         """The reply message, or None when the endpoint is unknown or unreachable now (the
         request was not sent: use gRPC). Raises what `CallConnection.call` raises once the
-        request was sent, and AuthenticationFailed when the endpoint refused our token."""
+        request was sent (NotLeader: it was not applied), and AuthenticationFailed when the
+        endpoint refused our token."""
         port = self._port
         if port is None or self._closed or time.monotonic() < self._retry_at:
             return None
@@ -269,6 +277,9 @@ class FastPath:
             except CallFailed as exc:
                 self._give_back(connection)
                 raise CallFailed(f"{exc.args[0]} (request {rid})", status=exc.status) from None
+            except NotLeader:
+                self._give_back(connection)
+                raise
             except BaseException:
                 connection.close()
                 raise

@@ -84,6 +84,9 @@ class Reason(enum.IntEnum):
     INTERNAL = 8
     UNKNOWN_METHOD = 9  # a CALL naming a method the server does not serve
     NOT_ALLOWED = 10  # the segment's allow-list does not name the engine of the connection
+    #: a standby hixl-master refused a CALL, unapplied: its error text is the leader's
+    #: gRPC address ("host:port"), empty when unknown (hixl.failover: try there / the next)
+    NOT_LEADER = 11
 
 
 _STATUS_FOR_REASON = {
@@ -98,6 +101,7 @@ _STATUS_FOR_REASON = {
     Reason.INTERNAL: errors.FAILED,
     Reason.UNKNOWN_METHOD: errors.UNSUPPORTED,
     Reason.NOT_ALLOWED: errors.PARAM_INVALID,  # PermissionDenied's status
+    Reason.NOT_LEADER: errors.FAILED,
 }
 
 

@@ -28,6 +28,7 @@ import yaml
 
 from hixl.control import node_identity
 from hixl.errors import ConfigError, ParamInvalid
+from hixl.failover import parse_addresses
 from hixl.tls import ClientTLS, ServerTLS
 from hixl.types import Perm, check_allowed_engines
 
@@ -108,6 +109,19 @@ def _as_str(value: object, text: bool) -> str:
     if not isinstance(value, str):
         raise ValueError(f"must be a string, got {type(value).__name__} {value!r}")
     return value
+
+
+def _as_master(value: object, text: bool) -> str:
+    """"" (no master), or one or more "host:port", comma-separated; each checked, the
+    list kept as "h1:p1,h2:p2" (hixl.failover parses it again where it is dialled)."""
+    raw = _as_str(value, text).strip()
+    if not raw:
+        return ""
+    try:
+        return ",".join(parse_addresses(raw, "master address"))
+    except ParamInvalid as exc:
+        raise ValueError(f"must be 'host:port' or a comma-separated list of them: "
+                         f"{exc.args[0]}") from None
 
 
 def _as_int(value: object, text: bool) -> int:
@@ -322,8 +336,10 @@ class AgentConfig:
         "pool_max_bytes": _key(_as_size,
                                "Budget for segments clients allocate at run time "
                                "(AllocateSegment); default 1GiB.", "size"),
-        "master": _key(_as_str,
-                       "hixl-master address (\"host:port\") to publish segments to; empty "
+        "master": _key(_as_master,
+                       "hixl-master address (\"host:port\") to publish segments to, or "
+                       "every master of the cluster, comma-separated (\"h1:p1,h2:p2\": the "
+                       "agent publishes to one and fails over to the next); empty "
                        "(default) runs an embedded registry on this agent's gRPC port.",
                        "str"),
         "lease_ttl_ms": _key(_as_positive_int,

@@ -78,6 +78,13 @@ class Publisher:
     it without a handshake. Re-publishes on every change, renews the lease every ttl/3, re-publishes when the
     lease was lost (registry restarted, lease expired); failures are logged and retried,
     never raised: an unreachable master must not take the agent down.
+
+    With several master addresses (`master: h1:p1,h2:p2`), the RegistryClient fails over
+    by itself (hixl.failover): a renewal the lease's master cannot take (unreachable, not
+    the leader) moves the client to the next master, where the lease is not renewed but
+    lost (NotConnected: lease ids are per master), so the segments are published there at
+    once under a new lease, exactly as after a master restart; at most one renewal
+    interval (ttl/3) plus the call's deadline after the old master went away.
     """
 
     def __init__(self, agent: Agent, registry: Any, ttl_ms: int, where: str,

@@ -118,6 +118,18 @@ def test_error_reply_text_is_capped() -> None:
     assert header.request_id == 3 and header.status == errors.PARAM_INVALID
 
 
+def test_not_leader_reply_carries_the_leader_address() -> None:
+    """A standby master's refusal of a CALL (issue 8): reason NOT_LEADER (11, a number no
+    other reason uses), the leader's address as the error text, a failed status."""
+    assert Reason.NOT_LEADER == 11 and len({int(r) for r in Reason}) == len(Reason)
+    header, text = parse_reply(wire.error_reply(9, Reason.NOT_LEADER, "10.0.0.2:50051"))
+    assert (header.request_id, header.reason, text) == (9, Reason.NOT_LEADER,
+                                                         b"10.0.0.2:50051")
+    assert header.flags & wire.FLAG_ERROR_TEXT and header.status == errors.FAILED
+    header, text = parse_reply(wire.error_reply(9, Reason.NOT_LEADER, ""))  # leader unknown
+    assert header.reason == Reason.NOT_LEADER and text == b""
+
+
 @pytest.mark.parametrize("length, limit", [(1, 10), (10, 10), (11, 10), (95, 10), (MAX_PAYLOAD * 2 + 1,
                                                                                      MAX_PAYLOAD)])
 def test_split_covers_the_op_exactly(length: int, limit: int) -> None:

@@ -56,6 +56,7 @@ from typing import Any
 from hixl.client.engine import Engine, MemHandle, parse_engine_name
 from hixl.control import node_identity
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
+from hixl.failover import parse_addresses
 from hixl.logs import log_failure
 from hixl.memory import ShmSegment, buffer_range, copy_moves, new_bytes
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM
@@ -503,7 +504,7 @@ class MooncakeDistributedStore:
     def setup(self, local_hostname: Any = None, metadata_server: str | None = None,
               global_segment_size: int | str = DEFAULT_SIZE,
               local_buffer_size: int | str = DEFAULT_SIZE, protocol: str = "tcp",
-              rdma_devices: str = "", master_server_addr: str = DEFAULT_MASTER,
+              rdma_devices: str = "", master_server_addr: str | Sequence[str] = DEFAULT_MASTER,
               engine: Any = None, enable_ssd_offload: bool = False, ssd_offload_path: str = "",
               tenant_id: str = "default", enable_client_http_server: bool = False,
               client_http_port: int = 9300) -> int:
@@ -571,19 +572,18 @@ class MooncakeDistributedStore:
             sizes = parse_size(global_segment_size), parse_size(local_buffer_size)
         except ValueError as exc:
             raise bad(str(exc)) from None
-        if not isinstance(master, str) or not master:
-            raise bad(f"master_server_addr must be 'host:port', got {master!r}")
-        if "://" in master:
-            raise bad(f"master_server_addr {master!r}: give the master's 'host:port' (HA "
-                      "masters behind etcd/redis are not spoken)")
+        if isinstance(master, str) and "://" in master:
+            raise bad(f"master_server_addr {master!r}: give the masters' 'host:port' (every "
+                      "hixl-master, comma-separated; etcd/redis URLs are not spoken)")
+        if not master or not isinstance(master, (str, list, tuple)):
+            raise bad(f"master_server_addr must be 'host:port' (or several, comma-separated), "
+                      f"got {master!r}")
         try:
-            _, port = parse_engine_name(master)
+            masters = parse_addresses(master, "master_server_addr")
         except ParamInvalid as exc:
-            raise bad(f"master_server_addr: {exc}") from None
-        if not port:
-            raise bad(f"master_server_addr {master!r} needs a port (hixl-master default 50051)")
+            raise bad(f"{exc.args[0]} (hixl-master's default port is 50051)") from None
         return _Settings(local_hostname, metadata_server, sizes[0], sizes[1],
-                         protocol.lower(), master, engine)
+                         protocol.lower(), ",".join(masters), engine)
 
     def _setup(self, settings: _Settings) -> int:
         with self._lock:
@@ -703,8 +703,8 @@ class MooncakeDistributedStore:
                 if time.monotonic() + SETUP_RETRY_S >= deadline:
                     raise StoreError(ErrorCode.RPC_FAIL, (
                         f"no hixl-master answered at {master} within {setup_timeout:g} s "
-                        f"(is it running? `hixl-master --port {master.rpartition(':')[2]}`): "
-                        f"{exc}")) from None
+                        f"(is it running? `hixl-master --port {master.rpartition(':')[2]}`"
+                        f"{'' if ',' not in master else ' at one of them'}): {exc}")) from None
                 time.sleep(SETUP_RETRY_S)
 
     # ------------------------------------------------------------ liveness
