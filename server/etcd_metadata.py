@@ -40,7 +40,10 @@ put or a delete, so `hixl.etcd`'s retry of a txn cut off mid-flight is harmless.
 
 **Fencing.** The backend claims `store/writer` with expect-absent under a lease it keeps
 alive; a second backend on the prefix is refused (ConfigError naming the prefix), after
-waiting `wait_for_writer_s` for a dead writer's lease to end. Every txn compares the
+waiting `wait_for_writer_s` for a dead writer's lease to end -- unless `take_over`: a
+master that won the election (server/leadership.py) deletes the old claim at once, which
+is safe because every txn of the old writer compares the claim's create revision, so
+none lands once the claim is gone or re-made. Every txn compares the
 writer key's create revision, plus whatever `fence()` returns (part 4: the election's
 `Election.fence()`), so a writer that lost its claim cannot write. When the lease is
 lost or a fence compare fails, the backend is *fenced*: it logs an error, refuses every
@@ -175,7 +178,9 @@ class EtcdMetadataBackend(MetadataBackend):
     (not closed here: part 4 shares the election's). `writer_ttl`: the writer lease's
     TTL. `wait_for_writer_s`: how long a claim held by another writer may take to end
     before this one is refused (a master restarted after kill -9 waits out the old
-    lease). `fence`: extra compares for every txn (e.g. `lambda: [election.fence()]`).
+    lease). `take_over`: delete another writer's claim instead of waiting (for the
+    elected leader: the old writer lost the election, and its txns fail once its claim
+    is gone). `fence`: extra compares for every txn (e.g. `lambda: [election.fence()]`).
     `max_txn_ops`: the etcd cluster's --max-txn-ops.
 
     ConfigError naming the prefix when another writer holds it; the client's typed error
@@ -184,6 +189,7 @@ class EtcdMetadataBackend(MetadataBackend):
 
     def __init__(self, etcd: EtcdClient | EtcdConfig | Mapping[str, object] | str, *,
                  writer_ttl: int = DEFAULT_WRITER_TTL_S, wait_for_writer_s: float = 0.0,
+                 take_over: bool = False,
                  fence: Callable[[], Iterable[Compare]] | None = None,
                  max_txn_ops: int = MAX_TXN_OPS) -> None:
         if max_txn_ops < 2:
@@ -211,7 +217,7 @@ class EtcdMetadataBackend(MetadataBackend):
         self._lease: Lease | None = None
         self._writer_revision = 0
         try:
-            self._claim(writer_ttl, wait_for_writer_s)
+            self._claim(writer_ttl, wait_for_writer_s, take_over)
         except BaseException:
             self._release()
             raise
@@ -355,9 +361,9 @@ class EtcdMetadataBackend(MetadataBackend):
 
     # -- the writer claim ------------------------------------------------------------
 
-    def _claim(self, ttl: int, wait_s: float) -> None:
+    def _claim(self, ttl: int, wait_s: float, take_over: bool = False) -> None:
         """Take `store/writer` (expect-absent, under a new lease), waiting up to `wait_s`
-        for another writer's claim to end."""
+        for another writer's claim to end, or deleting it at once with `take_over`."""
         self._lease = self._client.grant(ttl, on_lost=self._lease_lost)
         claim = _json({"host": socket.gethostname(), "pid": os.getpid(),
                        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
@@ -370,8 +376,16 @@ class EtcdMetadataBackend(MetadataBackend):
             if result.succeeded:
                 self._writer_revision = result.revision
                 return
-            holder = result.gets[0][0].value.decode(errors="replace") \
-                if result.gets and result.gets[0] else "?"
+            held = result.gets[0][0] if result.gets and result.gets[0] else None
+            holder = held.value.decode(errors="replace") if held is not None else "?"
+            if take_over and held is not None:
+                # only that very claim: a txn of its writer compares its create revision
+                self._client.txn([Compare(WRITER_KEY, "create", "==", held.create_revision)],
+                                 [Delete(WRITER_KEY)])
+                log.warning("%s: took the store over from the previous writer (%s), which "
+                            "lost the election: none of its commits can land any more",
+                            self.describe(), holder)
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ConfigError(

@@ -14,6 +14,12 @@ flags' dests: `port`, `client_ttl_s`, `data_dir`, ...) and an environment variab
 `HIXL_MASTER_<KEY>`; precedence, as for the agent: defaults < YAML < environment < flags
 (server/config.py's layering). The key schema is derived from the flags
 (`MasterConfig.keys()`), so the two cannot drift; `--describe-config` prints it.
+
+With etcd, several masters may serve one cluster (one prefix): they campaign in an etcd
+election (server/leadership.py); the leader loads the store from etcd and serves, the
+others are standbys answering "not the leader" with the leader's address. A leader that
+loses the leadership exits with status `EXIT_DEPOSED` (3): its supervisor restarts it,
+and it comes back as a standby.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,10 +45,12 @@ from hixl.control import add_port, server_interceptors
 from hixl.errors import ConfigError, HixlError
 from hixl.etcd import DEFAULT_PREFIX as DEFAULT_ETCD_PREFIX
 from hixl.etcd import DEFAULT_TIMEOUT_S as DEFAULT_ETCD_TIMEOUT_S
-from hixl.etcd import UNAVAILABLE_ERRORS, EtcdConfig
+from hixl.etcd import UNAVAILABLE_ERRORS, Election, EtcdClient, EtcdConfig
+from hixl.failover import parse_address
 from hixl.logs import setup_logging
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
 from hixl.server.config import describe_keys, keys_from_parser, layer_values
+from hixl.server.leadership import Candidate, LeaderGate, Leadership
 from hixl.server.metadata import LocalJournalBackend, MetadataBackend
 from hixl.server.registry import (
     DEFAULT_MAX_TTL_MS,
@@ -63,6 +72,10 @@ ENV_PREFIX = "HIXL_MASTER_"
 #: parser dests that are not settings
 COMMAND_ONLY_DESTS = ("help", "config", "describe_config")
 STOP_GRACE_S = 1.0
+#: the exit status of a leader that lost the leadership (its supervisor restarts it)
+EXIT_DEPOSED = 3
+#: the election lease's default TTL in s: a dead leader is replaced within about this
+DEFAULT_ETCD_LEASE_TTL_S = 5
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -93,6 +106,7 @@ class StoreConfig:
     etcd_user: str = ""
     etcd_password_file: str = ""
     etcd_timeout: float = DEFAULT_ETCD_TIMEOUT_S
+    etcd_lease_ttl: int = DEFAULT_ETCD_LEASE_TTL_S
 
     def options(self) -> StoreOptions:
         return StoreOptions(
@@ -139,6 +153,7 @@ class MasterConfig:
     tls_client_auth: bool = False
     metrics_port: int = 0
     fast_port: int = 0
+    advertise_address: str = ""
 
     @classmethod
     def keys(cls) -> dict[str, dict[str, Any]]:
@@ -291,6 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "Heartbeat and MountSegment replies. 0 (default): a free port, "
                              "or none when gRPC is served over TLS (the endpoint is "
                              "plaintext); -1: none (every call over gRPC)")
+    parser.add_argument("--advertise-address", dest="advertise_address", default="",
+                        metavar="HOST:PORT",
+                        help="the gRPC address clients and agents reach this master at; with "
+                             "etcd, the other masters name it as the leader. Default: --host "
+                             "and the port bound (this host's name when --host is 0.0.0.0 "
+                             "or ::)")
     store = parser.add_argument_group("KV store (mooncake_master flags)")
     defaults = StoreConfig()
     store.add_argument(*_mooncake("default_kv_lease_ttl"), dest="default_kv_lease_ttl_ms",
@@ -363,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
                       default=defaults.etcd_timeout, metavar="S",
                       help="deadline of each etcd call in seconds: a change etcd cannot "
                            "commit within it fails the store call (default %(default)s)")
+    etcd.add_argument("--etcd-lease-ttl", dest="etcd_lease_ttl", type=_int_in(1, 600),
+                      default=defaults.etcd_lease_ttl, metavar="S",
+                      help="TTL in whole seconds of the leases holding this master's "
+                           "candidacy in the leader election and its writer claim: a dead "
+                           "leader is replaced by a standby after about this long, and a "
+                           "leader cut off from etcd for this long stops (default "
+                           "%(default)s)")
     return parser
 
 
@@ -473,25 +501,101 @@ def server_tls(config: MasterConfig) -> ServerTLS | None:
                                    config.tls_ca_file, config.tls_client_auth)
 
 
+def advertised_address(config: MasterConfig, port: int) -> str:
+    """The gRPC "host:port" this master is reached at (`advertise_address`, else --host
+    and the bound `port`; this host's name for a wildcard --host)."""
+    if config.advertise_address:
+        return config.advertise_address
+    host = config.host
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return _bind_address(host, port)
+
+
+def check_advertise_address(config: MasterConfig) -> None:
+    """ConfigError naming advertise_address when it is set and not "host:port"."""
+    if config.advertise_address:
+        try:
+            parse_address(config.advertise_address, "advertise_address")
+        except HixlError as exc:
+            raise ConfigError(str(exc.args[0])) from None
+
+
+class _Takeover:
+    """What serve() swaps when this master wins the election (etcd only): the store the
+    front ends use, its upkeep task, and the backend whose fencing deposes it."""
+
+    def __init__(self, config: MasterConfig, calls: StoreCalls,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.calls = calls
+        self.loop = loop
+        self.backend: Any = None
+        self.upkeep: asyncio.Task[None] | None = None
+        self.exit_code = 0
+
+    def take_over(self, election: Election, client: EtcdClient) -> None:
+        """(The candidate's thread.) Open the store's metadata on etcd fenced on this
+        leadership, load it, and make it the one the front ends serve."""
+        from hixl.server.etcd_metadata import EtcdMetadataBackend
+
+        backend = EtcdMetadataBackend(client, writer_ttl=self.config.store.etcd_lease_ttl,
+                                      take_over=True, fence=lambda: [election.fence()])
+        store = ObjectStore(self.config.store.options(), backend=backend)  # loads
+        self.backend = backend
+        placeholder, self.calls.store = self.calls.store, store
+        self.loop.call_soon_threadsafe(self._start_upkeep, placeholder)
+        log.info("store: committed metadata kept in %s (%d objects loaded)",
+                 backend.describe(), store.stats().get("keys", 0))
+
+    def _start_upkeep(self, placeholder: ObjectStore) -> None:
+        if self.upkeep is not None:
+            self.upkeep.cancel()
+        self.upkeep = self.loop.create_task(upkeep_forever(self.calls.store),
+                                            name="hixl-store-upkeep")
+        placeholder.close()
+
+    def fenced(self) -> str:
+        backend = self.backend
+        return backend.fenced if backend is not None else ""
+
+    def deposed(self, stop: asyncio.Event) -> Callable[[str], None]:
+        def on_deposed(why: str) -> None:
+            self.exit_code = EXIT_DEPOSED
+            log.error("exiting with status %d: this master lost the leadership (%s); its "
+                      "supervisor restarts it, and it comes back as a standby",
+                      EXIT_DEPOSED, why)
+            self.loop.call_soon_threadsafe(stop.set)
+        return on_deposed
+
+
 async def serve(config: MasterConfig, stop: asyncio.Event,
                 cluster_token: bytes | None = None) -> int:
     """Serve until `stop` is set; returns the process exit code.
 
     With a `cluster_token`, every call must prove it (hixl.auth), else UNAUTHENTICATED;
-    with TLS settings (`server_tls`), gRPC is served over TLS only.
+    with TLS settings (`server_tls`), gRPC is served over TLS only. With etcd settings
+    this master campaigns for the leadership (module docstring) and serves only while it
+    leads; it returns EXIT_DEPOSED once it lost it.
     """
     try:
         tls = server_tls(config)
+        etcd = etcd_settings(config.store)
+        check_advertise_address(config)
     except ConfigError as exc:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 2
     registry = Registry(max_ttl_ms=config.max_lease_ttl_ms)
+    leadership = Leadership() if etcd is not None else None
+    interceptors = server_interceptors(cluster_token)
+    if leadership is not None:
+        interceptors.append(LeaderGate(leadership))  # after the token check
     # No SO_REUSEPORT: a second master on a taken port must fail, not share it silently.
     server = grpc.aio.server(
         options=[*SERVER_KEEPALIVE_OPTIONS, ("grpc.so_reuseport", 0),
                  # batch store calls of many keys outgrow gRPC's default 4 MiB
                  ("grpc.max_receive_message_length", 64 << 20)],
-        interceptors=server_interceptors(cluster_token))
+        interceptors=interceptors)
     add_registry_service(server, registry, expire_every_s=None)
     address = _bind_address(config.host, config.port)
     try:
@@ -499,13 +603,35 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     except RuntimeError as exc:
         print(f"hixl-master: cannot bind {address}: {exc}", file=sys.stderr, flush=True)
         return 1
-    try:
-        # Port first: a second master on a taken port says so, not "data dir in use".
-        store = await asyncio.to_thread(open_store, config.store, config.port)
-    except ConfigError as exc:
-        print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
-        return 1
+    loop = asyncio.get_running_loop()
+    candidate: Candidate | None = None
+    if etcd is None:
+        try:
+            # Port first: a second master on a taken port says so, not "data dir in use".
+            store = await asyncio.to_thread(open_store, config.store, config.port)
+        except ConfigError as exc:
+            print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
+            return 1
+    else:
+        assert leadership is not None
+        leadership.address = advertised_address(config, port)
+        # never served: the gate refuses every call until the real one is loaded
+        store = ObjectStore(config.store.options())
     calls = StoreCalls(store)
+    standby = _Takeover(config, calls, loop)
+    if etcd is not None:
+        assert leadership is not None
+        candidate = Candidate(etcd, leadership, ttl=config.store.etcd_lease_ttl,
+                              on_elected=standby.take_over,
+                              on_deposed=standby.deposed(stop), fenced=standby.fenced)
+        try:
+            await asyncio.to_thread(candidate.enter)
+        except HixlError as exc:
+            why = f"cannot start: {exc} (check etcd_endpoints and that etcd is up)" \
+                if isinstance(exc, UNAVAILABLE_ERRORS) else str(exc)
+            print(f"hixl-master: store metadata on {etcd.describe()}: {why}",
+                  file=sys.stderr, flush=True)
+            return 1
     fast = None
     fast_port = config.fast_port
     if tls is not None and fast_port == 0:
@@ -515,31 +641,40 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     elif tls is not None and fast_port > 0:
         log.warning("store call endpoint on port %d is plaintext although gRPC uses TLS: "
                     "keys and replica addresses cross the network unencrypted", fast_port)
+
+    async def close_store() -> None:
+        if candidate is not None:
+            await asyncio.to_thread(candidate.halt)  # no takeover while closing
+        await asyncio.to_thread(calls.store.close)
+        if candidate is not None:
+            await asyncio.to_thread(candidate.close)  # resign: a standby leads at once
+
     if fast_port >= 0:
         fast = StoreCallServer(calls, config.host, fast_port,
-                               cluster_token=cluster_token)
+                               cluster_token=cluster_token, leadership=leadership)
         try:
             fast.start()
         except ConfigError as exc:
             print(f"hixl-master: {exc} (--fast-port)", file=sys.stderr, flush=True)
-            await asyncio.to_thread(store.close)
+            await close_store()
             return 1
         calls.fast_port = fast.port
     servicer = add_store_service(server, store, calls)
     metrics = None
     if config.metrics_port:
         try:
-            metrics = MetricsServer(metrics_registry(registry, store, servicer.results),
+            metrics = MetricsServer(metrics_registry(registry, lambda: calls.store,
+                                                     servicer.results),
                                     config.host, config.metrics_port, "--metrics-port")
         except ConfigError as exc:
             print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
             if fast is not None:
                 await asyncio.to_thread(fast.stop)
-            await asyncio.to_thread(store.close)
+            await close_store()
             return 1
     expiry = start_expiry(registry)
-    upkeep = asyncio.get_running_loop().create_task(upkeep_forever(store),
-                                                    name="hixl-store-upkeep")
+    if etcd is None:
+        standby.upkeep = loop.create_task(upkeep_forever(store), name="hixl-store-upkeep")
     try:
         await server.start()
         print(f"hixl-master serving {_bind_address(config.host, port)}", flush=True)
@@ -549,27 +684,35 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         log.info("store settings: %s", config.store)
         log.info("store call endpoint: %s", f"port {fast.port}" if fast is not None else
                  "none (--fast-port -1: every store call over gRPC)")
+        if candidate is not None and etcd is not None:
+            log.info("standby: campaigning for the leadership of %s on %s as %s (lease "
+                     "%d s); every call is answered 'not the leader' until elected",
+                     etcd.prefix, etcd.describe(), advertised_address(config, port),
+                     config.store.etcd_lease_ttl)
+            candidate.start()
         await stop.wait()
     finally:
         expiry.cancel()
-        upkeep.cancel()
+        if standby.upkeep is not None:
+            standby.upkeep.cancel()
         await server.stop(STOP_GRACE_S)
         if fast is not None:
             await asyncio.to_thread(fast.stop)
         if metrics is not None:
             await asyncio.to_thread(metrics.close)
-        await asyncio.to_thread(store.close)
-    return 0
+        await close_store()
+    return standby.exit_code
 
 
-def metrics_registry(registry: Registry, store: ObjectStore,
+def metrics_registry(registry: Registry, store: Callable[[], ObjectStore],
                      results: dict[tuple[str, int], int] | None = None) -> CollectorRegistry:
-    """The master's own CollectorRegistry: the registry's table and the store."""
+    """The master's own CollectorRegistry: the registry's table and the store (`store()`:
+    the one served now; a standby swaps it when it takes over)."""
     from hixl.server.metrics import registry_families, store_families
 
     metrics = CollectorRegistry()
     metrics.register(FunctionCollector(
-        lambda: [*registry_families(registry), *store_families(store, results)], "master"))
+        lambda: [*registry_families(registry), *store_families(store(), results)], "master"))
     return metrics
 
 
@@ -599,6 +742,7 @@ def run_master(argv: list[str] | None = None) -> int:
         token = load_token(config.cluster_token_file or None)
         server_tls(config)  # an unusable TLS file is a configuration error too (exit 2)
         etcd_settings(config.store)  # and so are unusable or contradictory etcd settings
+        check_advertise_address(config)
     except ConfigError as exc:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 2

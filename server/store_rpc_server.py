@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 from hixl import wire
 from hixl.errors import ConfigError, HixlError
 from hixl.logs import request_context, valid_request_id
+from hixl.server.leadership import Leadership
 from hixl.server.store_service import StoreCalls
 from hixl.store_rpc import MESSAGES, METHODS
 from hixl.transports.tcp import serve_blocking
@@ -45,12 +46,17 @@ class _PeerGone(Exception):
 
 
 class StoreCallServer:
-    """Serves `METHODS` of `calls` on host:port (0: a free port) until stop()."""
+    """Serves `METHODS` of `calls` on host:port (0: a free port) until stop().
+
+    `leadership`: while its master does not lead (a standby, server/leadership.py), every
+    CALL is answered with reason NOT_LEADER and the leader's address as text, unapplied.
+    """
 
     def __init__(self, calls: StoreCalls, host: str = "127.0.0.1", port: int = 0, *,
                  cluster_token: bytes | None = None, max_connections: int = 1024,
-                 io_timeout: float = 30.0) -> None:
+                 io_timeout: float = 30.0, leadership: Leadership | None = None) -> None:
         self._calls = calls
+        self._leadership = leadership
         self._host = host
         self._port = port
         self._token = cluster_token
@@ -211,6 +217,10 @@ class _Connection:
         method, caller_id, message = self.proto.split(action, payload)
         request_type, _ = MESSAGES[method]
         rid = action.request_id
+        leadership = self.server._leadership
+        hint = leadership.refusal() if leadership is not None else None
+        if hint is not None:  # a standby: not applied, the caller goes to the leader
+            return wire.error_reply(rid, wire.Reason.NOT_LEADER, hint)
         with request_context(valid_request_id(caller_id)):
             try:
                 request = request_type.FromString(message)
