@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 
-from hixl.errors import ParamInvalid
+from hixl.errors import HixlError, ParamInvalid
 from hixl.server.store import ObjectStore
 from hixl.store_client import (
     key_info_to_pb,
@@ -228,14 +229,50 @@ class MasterServicer(store_pb2_grpc.MasterServicer):
     ListKeys = _rpc("ListKeys")
 
 
+class UpkeepFailures:
+    """How failed upkeep passes are logged, so an outage is one line, not one per pass.
+
+    A HixlError is expected while the metadata backend is unreachable (etcd without a
+    quorum: every pass's wait for durability fails, ten times a second): it is logged
+    once, then every `repeat_s` while it lasts, and its end once. Any other exception is
+    a bug and is logged with its traceback every time.
+    """
+
+    def __init__(self, repeat_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 ) -> None:
+        self.repeat_s = repeat_s
+        self._clock = clock
+        self.failing = 0          # consecutive expected failures
+        self._said_at = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        if not isinstance(exc, HixlError):
+            log.error("store upkeep pass failed", exc_info=exc)
+            return
+        now = self._clock()
+        self.failing += 1
+        if self.failing == 1 or now - self._said_at >= self.repeat_s:
+            self._said_at = now
+            log.warning("store upkeep: %s (%d pass(es) failed so far; retrying, said again "
+                        "every %g s while it lasts)", exc, self.failing, self.repeat_s)
+
+    def passed(self) -> None:
+        if self.failing:
+            log.info("store upkeep works again after %d failed pass(es)", self.failing)
+            self.failing = 0
+
+
 async def upkeep_forever(store: ObjectStore, interval_s: float = UPKEEP_EVERY_S) -> None:
     """Run the store's periodic upkeep (expiries, eviction, snapshots) in a worker thread."""
+    failures = UpkeepFailures()
     while True:
         await asyncio.sleep(interval_s)
         try:
             await asyncio.to_thread(store.tick)
-        except Exception:  # a bug here must not stop upkeep for good
-            log.exception("store upkeep pass failed")
+        except Exception as exc:  # a bug here must not stop upkeep for good
+            failures.failed(exc)
+        else:
+            failures.passed()
 
 
 def add_store_service(server: grpc.aio.Server, store: ObjectStore,

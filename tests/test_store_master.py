@@ -308,3 +308,34 @@ def test_release_timeout_shorter_than_discard_is_refused(tmp_path: Path) -> None
                              "--put_start_release_timeout_sec", "30"],
                             capture_output=True, text=True, timeout=DEADLINE_S)
     assert result.returncode != 0 and "put_start_release_timeout_s" in result.stderr
+
+
+def test_an_unreachable_backend_is_logged_once_not_per_upkeep_pass(caplog) -> None:  # type: ignore[no-untyped-def]
+    """Upkeep runs ten times a second; while etcd has no quorum every pass fails. That is
+    one warning (again every repeat_s while it lasts) and one line when it ends; a bug
+    keeps its traceback every time."""
+    from hixl.errors import PeerUnavailable
+    from hixl.server.store_service import UpkeepFailures
+
+    now = [100.0]
+    failures = UpkeepFailures(repeat_s=30.0, clock=lambda: now[0])
+    outage = PeerUnavailable("etcd at 127.0.0.1:1: no member reachable within 2 s")
+    with caplog.at_level("INFO", logger="hixl.store"):
+        for _ in range(50):                      # five seconds of failed passes
+            failures.failed(outage)
+            now[0] += 0.1
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        assert "no member reachable" in caplog.records[0].getMessage()
+        now[0] += 30.0                           # still failing half a minute later
+        failures.failed(outage)
+        assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+        assert "51 pass(es) failed so far" in caplog.records[1].getMessage()
+        failures.passed()
+        failures.passed()                        # said once
+        assert [r.levelname for r in caplog.records][2:] == ["INFO"]
+        assert "works again after 51 failed pass(es)" in caplog.records[2].getMessage()
+        caplog.clear()
+        for _ in range(2):
+            failures.failed(KeyError("a bug"))   # not expected: a traceback each time
+        assert [(r.levelname, bool(r.exc_info)) for r in caplog.records] == [("ERROR", True)] * 2
+        assert failures.failing == 0
