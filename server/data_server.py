@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import stat
-import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -33,7 +32,8 @@ from typing import NamedTuple
 from hixl import wire
 from hixl.errors import ConfigError
 from hixl.metrics import Traffic, TrafficTable
-from hixl.transports.tcp import Buffer, BufferQueue, serve_blocking, tune_socket
+from hixl.server.connections import PeerGone, Stalled, ThreadPerConnection
+from hixl.transports.tcp import Buffer, BufferQueue, tune_socket
 
 log = logging.getLogger("hixl.data")
 
@@ -51,19 +51,10 @@ _RING = 64 << 10  # the connection's receive buffer: headers, and small payloads
 # header is read, so runs of large payloads go straight into segment memory
 _GREEDY_MAX = 16 << 10
 _RUN_OPS = 1024  # a run reply answers at most this many requests
-_STOP_WAIT = 5.0  # stop(): longest wait for all threads to end
 _WRITE, _READ = int(wire.Op.WRITE), int(wire.Op.READ)
 TRANSPORTS = ("tcp", "unix")
 _REASONS = frozenset(int(reason) for reason in wire.Reason)
 _monotonic = time.monotonic
-
-
-class _PeerGone(Exception):
-    """EOF or reset from the peer: the connection ends quietly."""
-
-
-class _Stalled(Exception):
-    """A frame stopped half-way for longer than io_timeout."""
 
 
 class Peer(NamedTuple):
@@ -75,8 +66,13 @@ class Peer(NamedTuple):
     connected_s: float
 
 
-class DataServer:
+class DataServer(ThreadPerConnection):
     """Serves WRITE/READ frames against segments found by `resolve(segment_id)`."""
+
+    log = log  # the module's logger ("hixl.data") for the shared accept/serve lines
+    kind = "data server"
+    connection_kind = "data connection"
+    thread_name = "hixl-data"
 
     def __init__(self, resolve: Callable[[int], wire.ServedSegment | None], epoch: int, *,
                  tcp_host: str | None = "127.0.0.1", tcp_port: int = 0,
@@ -96,15 +92,9 @@ class DataServer:
         self._unix_path = unix_path
         self._unix_inode: int | None = None
         self._unix_mode = unix_mode
-        self._max_connections = max_connections
-        self._io_timeout = io_timeout
+        self._init_connections(max_connections, io_timeout)
         self._cluster_token = cluster_token
-        self._listeners: list[socket.socket] = []
-        self._acceptors: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._live: dict[socket.socket, threading.Thread] = {}
         self._connections: dict[socket.socket, _Connection] = {}  # for peers()
-        self._stopping = False
         self._tcp_address = ""
         #: bytes_written / ops_write: WRITE payloads received into segments; bytes_read /
         #: ops_read: READ data sent; refused: requests answered with an error; connections:
@@ -129,11 +119,6 @@ class DataServer:
     @property
     def unix_path(self) -> str | None:
         return self._unix_path
-
-    @property
-    def live_connections(self) -> int:
-        with self._lock:
-            return len(self._live)
 
     def peers(self) -> list[Peer]:
         """Each live data connection: kind, remote address, the engine it named in HELLO."""
@@ -161,11 +146,7 @@ class DataServer:
         except BaseException:
             self.stop()
             raise
-        for sock in self._listeners:
-            thread = threading.Thread(target=self._accept_loop, args=(sock,), daemon=True,
-                                      name=f"hixl-data-accept-{sock.family.name}")
-            thread.start()
-            self._acceptors.append(thread)
+        self._start_accepting()
         log.info("data server listening on %s", ", ".join(
             filter(None, [self._tcp_address and f"tcp://{self._tcp_address}",
                           self._unix_path and f"unix://{self._unix_path}"])))
@@ -203,23 +184,7 @@ class DataServer:
 
     def stop(self) -> None:
         """Close the listeners and every live connection; wait (bounded) for the threads."""
-        self._stopping = True
-        for sock in self._listeners:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the acceptor blocked in accept()
-            sock.close()
-        self._listeners.clear()
-        with self._lock:
-            live = list(self._live.items())
-        for sock, _thread in live:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and closes the fd
-        deadline = time.monotonic() + _STOP_WAIT
-        for thread in self._acceptors + [thread for _sock, thread in live]:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                log.warning("data server thread %s did not stop in time", thread.name)
-        self._acceptors.clear()
+        self._stop_connections()
         if self._unix_path is not None and self._unix_inode is not None:
             with contextlib.suppress(OSError):
                 if os.lstat(self._unix_path).st_ino == self._unix_inode:  # still ours
@@ -233,62 +198,19 @@ class DataServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ------------------------------------------------------------ accepting
-
-    def _count(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            self.counters[name] += amount
-
-    def _accept_loop(self, listener: socket.socket) -> None:
-        while not self._stopping:
-            try:
-                sock, peer = listener.accept()
-            except OSError as exc:
-                if self._stopping:
-                    return
-                log.warning("data server accept failed: %s", exc)  # e.g. EMFILE: back off
-                time.sleep(0.05)
-                continue
-            thread: threading.Thread | None = None
-            with self._lock:  # decided once, so stop() never sees a thread that won't start
-                full = len(self._live) >= self._max_connections
-                if full:
-                    self.counters["connections_rejected"] += 1
-                elif not self._stopping:
-                    self.counters["connections"] += 1
-                    self.accepted["unix" if listener.family == socket.AF_UNIX else "tcp"] += 1
-                    thread = threading.Thread(target=self._serve, args=(sock, peer or "unix"),
-                                              daemon=True, name="hixl-data-conn")
-                    self._live[sock] = thread
-                    thread.start()
-            if thread is None:
-                if full:
-                    log.warning("data server: turning a connection away, %d live is the "
-                                "maximum", self._max_connections)
-                sock.close()
-
     # ------------------------------------------------------------ one connection
 
-    def _serve(self, sock: socket.socket, peer: object) -> None:
-        try:
-            serve_blocking(sock, self._io_timeout)
-            connection = _Connection(self, sock, peer)
-            with self._lock:
-                self._connections[sock] = connection
-            connection.run()
-        except (_PeerGone, ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
-            log.debug("data connection from %s closed by the peer", peer)
-        except _Stalled as exc:
-            self._count("protocol_errors")
-            log.debug("data connection from %s: %s", peer, exc)
-        except Exception:
-            self._count("protocol_errors")
-            log.debug("data connection from %s failed", peer, exc_info=True)
-        finally:
-            with self._lock:
-                self._live.pop(sock, None)
-                self._connections.pop(sock, None)
-            sock.close()
+    def _accepted_locked(self, listener: socket.socket) -> None:
+        self.accepted["unix" if listener.family == socket.AF_UNIX else "tcp"] += 1
+
+    def _run_connection(self, sock: socket.socket, peer: object) -> None:
+        connection = _Connection(self, sock, peer)
+        with self._lock:
+            self._connections[sock] = connection
+        connection.run()
+
+    def _forget_locked(self, sock: socket.socket) -> None:
+        self._connections.pop(sock, None)
 
 
 def _address(peer: object) -> str:
@@ -448,7 +370,7 @@ class _Connection:
             self._close_run()
         if action.reply is not None:
             self.replies.append(action.reply)
-        with contextlib.suppress(OSError, _Stalled):
+        with contextlib.suppress(OSError, Stalled):
             self._flush()
             self._drain_before_close()
 
@@ -505,10 +427,10 @@ class _Connection:
                 n = -1
             if n == 0:
                 if have:
-                    raise _PeerGone()
+                    raise PeerGone()
                 if self.run_count:
                     self._close_run()
-                with contextlib.suppress(OSError, _Stalled):
+                with contextlib.suppress(OSError, Stalled):
                     self._flush()  # a half-closed peer still reads its replies
                 return False
             if n > 0:
@@ -525,10 +447,10 @@ class _Connection:
             except BlockingIOError:  # SO_RCVTIMEO passed
                 if have == 0 and not self.server._stopping:
                     continue  # idle between frames is fine
-                raise _Stalled(f"header stalled after {have} bytes") from None
+                raise Stalled(f"header stalled after {have} bytes") from None
             if not n:
                 if have:
-                    raise _PeerGone()
+                    raise PeerGone()
                 return False
             self.started = _monotonic()  # after an idle wait: a new batch begins
             self.end = have = have + n
@@ -567,9 +489,9 @@ class _Connection:
                 got = self.sock.recv_into(target[filled:] if filled else target, size - filled,
                                           socket.MSG_WAITALL)
             except BlockingIOError:
-                raise _Stalled(f"payload stalled at {filled} of {size} bytes") from None
+                raise Stalled(f"payload stalled at {filled} of {size} bytes") from None
             if not got:
-                raise _PeerGone()
+                raise PeerGone()
             filled += got
 
     def _recv_with_more(self, target: memoryview, ring: memoryview) -> None:
@@ -585,9 +507,9 @@ class _Connection:
             try:
                 got = self.sock.recvmsg_into([target[filled:] if filled else target, ring])[0]
             except BlockingIOError:
-                raise _Stalled(f"payload stalled at {filled} of {size} bytes") from None
+                raise Stalled(f"payload stalled at {filled} of {size} bytes") from None
             if not got:
-                raise _PeerGone()
+                raise PeerGone()
             filled += got
             if filled >= size:
                 self.end = filled - size
@@ -640,7 +562,7 @@ class _Connection:
             try:
                 sent = self.sock.sendmsg(out.chunk())
             except BlockingIOError:  # SO_SNDTIMEO passed with nothing sent
-                raise _Stalled("peer stopped reading replies") from None
+                raise Stalled("peer stopped reading replies") from None
             out.advance(sent)
             unsent -= sent
         self.replies.clear()

@@ -18,39 +18,34 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import threading
-import time
 
 from google.protobuf.message import DecodeError
 
 from hixl import wire
 from hixl.errors import ConfigError, HixlError
 from hixl.logs import request_context, valid_request_id
+from hixl.server.connections import PeerGone, Stalled, ThreadPerConnection
 from hixl.server.leadership import Leadership
 from hixl.server.store_service import StoreCalls
 from hixl.store_rpc import MESSAGES, METHODS
-from hixl.transports.tcp import serve_blocking
 
 log = logging.getLogger("hixl.store.rpc")
 
 _RECEIVE = 64 << 10  # a connection's receive buffer: most calls arrive in one recv
-_STOP_WAIT = 5.0
 
 
-class _Stalled(Exception):
-    """A frame stopped half-way for longer than io_timeout."""
-
-
-class _PeerGone(Exception):
-    """EOF from the client."""
-
-
-class StoreCallServer:
+class StoreCallServer(ThreadPerConnection):
     """Serves `METHODS` of `calls` on host:port (0: a free port) until stop().
 
     `leadership`: while its master does not lead (a standby, server/leadership.py), every
     CALL is answered with reason NOT_LEADER and the leader's address as text, unapplied.
     """
+
+    log = log
+    kind = "store call endpoint"
+    connection_kind = "store call connection"
+    thread_name = "hixl-store-rpc"
+    failure_level = logging.WARNING
 
     def __init__(self, calls: StoreCalls, host: str = "127.0.0.1", port: int = 0, *,
                  cluster_token: bytes | None = None, max_connections: int = 1024,
@@ -60,13 +55,7 @@ class StoreCallServer:
         self._host = host
         self._port = port
         self._token = cluster_token
-        self._max_connections = max_connections
-        self._io_timeout = io_timeout
-        self._listener: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._live: dict[socket.socket, threading.Thread] = {}
-        self._stopping = False
+        self._init_connections(max_connections, io_timeout)
         #: connections accepted, turned away (over max_connections), closed for a bad
         #: frame or a stall, refused for a wrong or missing token; calls served
         self.counters = dict.fromkeys(("connections", "connections_rejected",
@@ -76,11 +65,6 @@ class StoreCallServer:
     def port(self) -> int:
         """The port bound (after start)."""
         return self._port
-
-    @property
-    def live_connections(self) -> int:
-        with self._lock:
-            return len(self._live)
 
     def start(self) -> None:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
@@ -93,32 +77,14 @@ class StoreCallServer:
             sock.close()
             raise ConfigError(f"store call endpoint: cannot bind {self._host}:{self._port}: "
                               f"{exc.strerror or exc}") from None
-        self._listener = sock
+        self._listeners.append(sock)
         self._port = sock.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept_loop, args=(sock,), daemon=True,
-                                          name="hixl-store-rpc-accept")
-        self._acceptor.start()
+        self._start_accepting()
         log.info("store call endpoint on %s:%d", self._host, self._port)
 
     def stop(self) -> None:
         """Close the listener and every connection; wait (bounded) for the threads."""
-        self._stopping = True
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor blocked in accept()
-            listener.close()
-        with self._lock:
-            live = list(self._live.items())
-        for sock, _ in live:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and closes the fd
-        deadline = time.monotonic() + _STOP_WAIT
-        threads = [t for t in (self._acceptor,) if t is not None] + [t for _, t in live]
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                log.warning("store call endpoint thread %s did not stop in time", thread.name)
+        self._stop_connections()
 
     def __enter__(self) -> StoreCallServer:
         self.start()
@@ -127,53 +93,8 @@ class StoreCallServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.counters[name] += 1
-
-    def _accept_loop(self, listener: socket.socket) -> None:
-        while not self._stopping:
-            try:
-                sock, peer = listener.accept()
-            except OSError as exc:
-                if self._stopping:
-                    return
-                log.warning("store call endpoint: accept failed: %s", exc)  # e.g. EMFILE
-                time.sleep(0.05)
-                continue
-            thread: threading.Thread | None = None
-            with self._lock:  # decided once, so stop() never misses a thread
-                full = len(self._live) >= self._max_connections
-                if full:
-                    self.counters["connections_rejected"] += 1
-                elif not self._stopping:
-                    self.counters["connections"] += 1
-                    thread = threading.Thread(target=self._serve, args=(sock, peer),
-                                              daemon=True, name="hixl-store-rpc-conn")
-                    self._live[sock] = thread
-                    thread.start()
-            if thread is None:
-                if full:
-                    log.warning("store call endpoint: turning a connection away, %d live is "
-                                "the maximum", self._max_connections)
-                sock.close()
-
-    def _serve(self, sock: socket.socket, peer: object) -> None:
-        try:
-            serve_blocking(sock, self._io_timeout)
-            _Connection(self, sock).run()
-        except (_PeerGone, ConnectionResetError, BrokenPipeError, ConnectionAbortedError):
-            log.debug("store call connection from %s closed by the peer", peer)
-        except _Stalled as exc:
-            self._count("protocol_errors")
-            log.debug("store call connection from %s: %s", peer, exc)
-        except Exception:
-            self._count("protocol_errors")
-            log.warning("store call connection from %s failed", peer, exc_info=True)
-        finally:
-            with self._lock:
-                self._live.pop(sock, None)
-            sock.close()
+    def _run_connection(self, sock: socket.socket, peer: object) -> None:
+        _Connection(self, sock).run()
 
 
 class _Connection:
@@ -278,17 +199,17 @@ class _Connection:
             except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO passed
                 if idle and not self.server._stopping:
                     continue
-                raise _Stalled(f"no bytes for {self.server._io_timeout:g} s in the middle "
+                raise Stalled(f"no bytes for {self.server._io_timeout:g} s in the middle "
                                "of a frame") from None
             if not got:
-                raise _PeerGone()
+                raise PeerGone()
             return got
 
     def _send(self, data: bytes) -> None:
         try:
             self.sock.sendall(data)
         except (BlockingIOError, TimeoutError):
-            raise _Stalled("the client stopped reading replies") from None
+            raise Stalled("the client stopped reading replies") from None
 
     def _close(self, action: wire.Close) -> None:
         if self.proto.auth_refused:
