@@ -12,10 +12,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 import pytest
 import yaml
+from etcd_cluster import EtcdCluster, start_cluster_or_skip
 
 from hixl.auth import load_token
 from hixl.client.agent_client import AgentClient, AgentInfo
@@ -158,6 +160,33 @@ def netns() -> Iterator[Callable[[int], Any]]:
     yield make
     for cluster in clusters:
         cluster.close()
+
+
+#: each module's etcd `cluster` while it is up (so `_whole_again` finds it without
+#: asking pytest for a fixture value that may be another module's kind, or torn down)
+_ETCD_OF_MODULE: dict[ModuleType, EtcdCluster] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest) -> Iterator[EtcdCluster]:
+    """A real 3-member etcd cluster (tests/etcd_cluster.py), one per module that asks for
+    it; skips without etcd or aetcd (fails instead under CI)."""
+    started = start_cluster_or_skip(3)
+    _ETCD_OF_MODULE[request.module] = started
+    yield started
+    del _ETCD_OF_MODULE[request.module]
+    started.close()
+
+
+@pytest.fixture(autouse=True)
+def _whole_again(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the etcd `cluster` (and may have killed members), restart
+    them, so the next test sees every member healthy. Tests without it pay nothing and
+    never start etcd; a module's own fixture named `cluster` is left alone."""
+    yield
+    started = _ETCD_OF_MODULE.get(request.module)
+    if started is not None and "cluster" in request.fixturenames:
+        started.ensure_running()
 
 
 def random_items(rng: Any, info: Any, local: Any, count: int, max_len: int,

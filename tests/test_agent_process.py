@@ -11,12 +11,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import grpc
 import numpy as np
 import pytest
+import waiting
 from conftest import AgentProcess, agent_command, clean_env, parse_ready
 
 from hixl import wire
@@ -389,13 +390,7 @@ def test_errors_cross_grpc_with_code_and_exact_type(agent_process: StartAgent) -
 
 # ---------------------------------------------------------------- registry publishing
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    """Poll until predicate() holds; fail (not hang) after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what or predicate}")
-        time.sleep(0.05)
+wait_for = partial(waiting.wait_until, timeout=20.0)
 
 
 def free_port() -> int:

@@ -17,10 +17,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import grpc
 import pytest
+import waiting
 import yaml
 from conftest import AgentProcess, agent_command, clean_env
 
@@ -67,11 +69,7 @@ def first_segment(agent: AgentProcess) -> SegmentInfo:
     return next(s for s in agent.info.segments if s.name == "pool")
 
 
-def wait_for(check: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+wait_for = partial(waiting.wait_until, timeout=DEADLINE_S)
 
 
 # ---------------------------------------------------------------- token sources

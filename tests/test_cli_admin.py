@@ -12,12 +12,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+import waiting
 from conftest import AgentProcess
 
 from hixl import Engine
@@ -64,11 +65,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
     return json.loads(out)
 
 
-def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+wait_until = partial(waiting.wait_until, timeout=DEADLINE_S)
 
 
 def free_port() -> int:

@@ -14,10 +14,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import grpc
 import pytest
+import waiting
 from etcd_cluster import EtcdCluster, start_cluster_or_skip
 
 from hixl.errors import (
@@ -44,21 +46,6 @@ from hixl.etcd import (
 WAIT_S = 15.0  # the most any wait for an expected event may take (not a speed claim)
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[EtcdCluster]:
-    started = start_cluster_or_skip(3)
-    yield started
-    started.close()
-
-
-@pytest.fixture(autouse=True)
-def _whole_again(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After a test that killed members, restart them (the next test sees 3 healthy)."""
-    yield
-    if "cluster" in request.fixturenames:
-        request.getfixturevalue("cluster").ensure_running()
-
-
 @pytest.fixture
 def connect(cluster: EtcdCluster) -> Iterator[Callable[..., EtcdClient]]:
     """connect(prefix=<unique per test>, **config) -> a client closed after the test."""
@@ -75,11 +62,7 @@ def connect(cluster: EtcdCluster) -> Iterator[Callable[..., EtcdClient]]:
         client.close()
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
+wait_for = partial(waiting.wait_until, timeout=WAIT_S)
 
 
 def drain(watch, count: int) -> list[WatchEvent | WatchCompacted]:  # type: ignore[no-untyped-def]

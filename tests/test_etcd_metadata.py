@@ -18,13 +18,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from etcd_cluster import EtcdCluster, start_cluster_or_skip
+import waiting
+from etcd_cluster import EtcdCluster
 from test_metadata import HISTORY, committed, fold, mount, obj, put, replica, rm, same_content
 
 from hixl.client.mooncake import MooncakeDistributedStore
@@ -45,21 +47,6 @@ from hixl.store_codes import ErrorCode
 
 MiB = 1 << 20
 WAIT_S = 30.0   # the most any wait for an expected event may take (not a speed claim)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[EtcdCluster]:
-    started = start_cluster_or_skip(3)
-    yield started
-    started.close()
-
-
-@pytest.fixture(autouse=True)
-def _whole_again(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After a test that killed members, restart them (the next test sees 3 healthy)."""
-    yield
-    if "cluster" in request.fixturenames:
-        request.getfixturevalue("cluster").ensure_running()
 
 
 class Backends:
@@ -102,11 +89,7 @@ def backends(cluster: EtcdCluster) -> Iterator[Backends]:
         thing.close()
 
 
-def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
+wait_for = partial(waiting.wait_until, timeout=WAIT_S)
 
 
 def reopened(backends: Backends, backend: EtcdMetadataBackend,

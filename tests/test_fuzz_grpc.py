@@ -182,26 +182,6 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, grpc.
             proc.stdout.close()
 
 
-@fuzz_settings(150)
-@given(batch=st.lists(calls(AGENT), min_size=1, max_size=4))
-def test_agent_calls_return_ok_or_typed_errors(agent: tuple[Any, grpc.Channel],
-                                               batch: list[tuple[Any, Any]]) -> None:
-    process, channel = agent
-    for method, request in batch:
-        invoke(channel, method, request)
-    assert_still_serving(channel, AGENT.methods_by_name["Health"], process)
-
-
-@fuzz_settings(100)
-@given(batch=st.lists(calls(REGISTRY), min_size=1, max_size=4))
-def test_embedded_registry_calls_return_ok_or_typed_errors(
-        agent: tuple[Any, grpc.Channel], batch: list[tuple[Any, Any]]) -> None:
-    process, channel = agent
-    for method, request in batch:
-        invoke(channel, method, request)
-    assert_still_serving(channel, REGISTRY.methods_by_name["QuerySegments"], process)
-
-
 # ---------------------------------------------------------------- the master
 
 @pytest.fixture(scope="module")
@@ -215,24 +195,34 @@ def master() -> Iterator[tuple[MasterProcess, grpc.Channel]]:
         yield process, channel
 
 
-@fuzz_settings(200)
-@given(batch=st.lists(calls(MASTER), min_size=1, max_size=5))
-def test_master_calls_return_ok_or_typed_errors(master: tuple[MasterProcess, grpc.Channel],
-                                                batch: list[tuple[Any, Any]]) -> None:
-    process, channel = master
-    for method, request in batch:
-        invoke(channel, method, request)
-    assert_still_serving(channel, MASTER.methods_by_name["Stats"], process)
+# ---------------------------------------------------------------- random calls
+
+#: (server fixture, service fuzzed, its call that proves the server still serves,
+#:  examples, the most calls in one batch)
+FUZZED = [
+    pytest.param("agent", AGENT, "Health", 150, 4, id="agent"),
+    pytest.param("agent", REGISTRY, "QuerySegments", 100, 4, id="embedded-registry"),
+    pytest.param("master", MASTER, "Stats", 200, 5, id="master"),
+    pytest.param("master", REGISTRY, "QuerySegments", 60, 4, id="master-registry"),
+]
 
 
-@fuzz_settings(60)
-@given(batch=st.lists(calls(REGISTRY), min_size=1, max_size=4))
-def test_master_registry_calls_return_ok_or_typed_errors(
-        master: tuple[MasterProcess, grpc.Channel], batch: list[tuple[Any, Any]]) -> None:
-    process, channel = master
-    for method, request in batch:
-        invoke(channel, method, request)
-    assert_still_serving(channel, REGISTRY.methods_by_name["QuerySegments"], process)
+@pytest.mark.parametrize(("server", "service", "probe", "examples", "most"), FUZZED)
+def test_calls_return_ok_or_typed_errors(request: pytest.FixtureRequest, server: str,
+                                         service: descriptor.ServiceDescriptor, probe: str,
+                                         examples: int, most: int) -> None:
+    """Batches of random calls to `service` on the module's `server`: each call OK or a
+    typed error, and after each batch the server still answers `probe`, log clean."""
+    process, channel = request.getfixturevalue(server)
+
+    @fuzz_settings(examples)
+    @given(batch=st.lists(calls(service), min_size=1, max_size=most))
+    def batches(batch: list[tuple[Any, Any]]) -> None:
+        for method, message in batch:
+            invoke(channel, method, message)
+        assert_still_serving(channel, service.methods_by_name[probe], process)
+
+    batches()
 
 
 # ---------------------------------------------------------------- regressions found by fuzzing

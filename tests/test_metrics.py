@@ -16,9 +16,11 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
+import waiting
 import yaml
 from conftest import AgentProcess, agent_command, clean_env
 from prometheus_client import CollectorRegistry, generate_latest
@@ -83,12 +85,7 @@ def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
 
 
-def eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.02)
+eventually = partial(waiting.wait_until, timeout=DEADLINE_S, interval=0.02)
 
 
 def transfer(engine: Engine, remote: str, op: TransferOp, local: bytearray, remote_addr: int,

@@ -16,9 +16,11 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import numpy as np
 import pytest
+import waiting
 from prometheus_client.parser import text_string_to_metric_families
 
 from hixl import errors, wire
@@ -241,12 +243,7 @@ def master() -> Iterator[MasterProcess]:
         yield process
 
 
-def eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.05)
+eventually = partial(waiting.wait_until, timeout=DEADLINE_S)
 
 
 def answers(call: Callable[[], object]) -> bool:

@@ -1,0 +1,23 @@
+"""Waiting for a condition in tests, with a deadline that only proves "does not hang".
+
+    import waiting
+    wait_for = partial(waiting.wait_until, timeout=WAIT_S)  # the module's own deadline
+    wait_for(lambda: etcd.get("k") is None, "the key expires")
+
+Nothing asserts how long the wait took; `timeout` is far beyond what a healthy run needs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float,
+               interval: float = 0.05) -> None:
+    """Poll `predicate` every `interval` s until it is true; once `timeout` s pass first,
+    fail the test with an AssertionError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(interval)
