@@ -235,6 +235,11 @@ def add_bench_registry(subparsers: Any) -> None:
                    help=f"lookups timed per table size (default {defaults.finds})")
     p.add_argument("--master", metavar="HOST:PORT", default="",
                    help="use this running hixl-master (default: start a private one)")
+    p.add_argument("--etcd-endpoints", metavar="HOST:PORT,...", default="",
+                   help="start the private hixl-master on this etcd: its registry's leases "
+                        "and table live there (default: in the master's memory)")
+    p.add_argument("--etcd-prefix", metavar="PREFIX", default="",
+                   help="the cluster prefix on etcd (default: a fresh one per run)")
     p.add_argument("--timeout", type=_positive_float, default=defaults.timeout,
                    help=f"deadline of every wait in seconds (default {defaults.timeout:g})")
     add_json_flag(p)
@@ -248,7 +253,8 @@ def run_bench_registry_command(args: argparse.Namespace) -> int:
     config = registry_bench.RegistryBenchConfig(
         publishers=args.publishers, segments=args.segments, watchers=args.watchers,
         changes=args.changes, small_segments=args.small_segments, finds=args.finds,
-        master=args.master, timeout=args.timeout)
+        master=args.master, etcd_endpoints=args.etcd_endpoints,
+        etcd_prefix=args.etcd_prefix, timeout=args.timeout)
     report = registry_bench.run_registry_bench(config, sys.stderr if args.progress else None)
     emit_report(registry_bench.format_registry_report(report), report, args.json)
     return 0

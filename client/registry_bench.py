@@ -136,7 +136,17 @@ class RegistryBenchConfig:
     small_segments: int = 1_000     # the small table find() is compared against
     finds: int = 50_000             # lookups timed per table size
     master: str = ""                # use this running master instead of starting one
+    etcd_endpoints: str = ""        # start the master on this etcd (its registry there)
+    etcd_prefix: str = ""           # ... under this prefix ("": a fresh one per run)
     timeout: float = 60.0           # deadline of every wait
+
+    def master_flags(self) -> list[str]:
+        """The flags of the private master: its registry on etcd when etcd_endpoints is
+        set (under etcd_prefix, else a fresh prefix), else in its memory."""
+        if not self.etcd_endpoints:
+            return []
+        prefix = self.etcd_prefix or f"/hixl/bench-registry-{os.getpid()}-{time.time_ns()}/"
+        return ["--etcd-endpoints", self.etcd_endpoints, "--etcd-prefix", prefix]
 
     def check(self) -> None:
         for key in ("publishers", "segments", "watchers", "changes", "small_segments",
@@ -152,6 +162,11 @@ class RegistryBenchConfig:
                                "in both the small and the full table")
         if not self.timeout > 0:
             raise ParamInvalid(f"bench-registry: timeout must be positive, got {self.timeout}")
+        if self.master and self.etcd_endpoints:
+            raise ParamInvalid("bench-registry: master names a running master and "
+                               "etcd_endpoints asks for a private one on etcd: give one")
+        if self.etcd_prefix and not self.etcd_endpoints:
+            raise ParamInvalid("bench-registry: etcd_prefix needs etcd_endpoints")
 
 
 # ---------------------------------------------------------------- simulated agents
@@ -324,7 +339,8 @@ def run_registry_bench(config: RegistryBenchConfig,
 
     rng = random.Random(1)
     token = load_token()  # the cluster token of the environment, as the master has it
-    master = None if config.master else MasterProcess(log_level="WARNING")
+    master = None if config.master else MasterProcess(log_level="WARNING",
+                                                      extra=config.master_flags())
     target = config.master or master.target  # type: ignore[union-attr]
     agents: list[SimulatedAgent] = []
     watchers: _Watchers | None = None
@@ -434,7 +450,11 @@ def _keep_alive(agents: Sequence[SimulatedAgent], stop: threading.Event) -> None
 def format_registry_report(report: dict[str, Any]) -> str:
     pop, snap, finds = report["population"], report["snapshot"], report["find_ns"]
     cfg = report["config"]
+    where = ("a running master " + cfg["master"] if cfg["master"] else
+             "private master, registry on etcd " + cfg["etcd_endpoints"]
+             if cfg.get("etcd_endpoints") else "private master, registry in memory")
     rows: list[tuple[str, str]] = [
+        ("registry", where),
         ("engines / segments", f"{pop['engines']} / {pop['segments']:,}"),
         ("watchers (processes)", str(cfg["watchers"])),
         ("populate: publish / visible", f"{pop['publish_s']:.2f} s / {pop['visible_s']:.2f} s "

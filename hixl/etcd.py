@@ -45,11 +45,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import queue
+import string
 import threading
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -76,6 +79,10 @@ DEFAULT_PREFIX = "/hixl/default/"
 #: what a caller catches for "etcd cannot serve this now" (down, no quorum, too slow)
 UNAVAILABLE_ERRORS: tuple[type[HixlError], ...] = (PeerUnavailable, TransferTimeout)
 
+#: etcd's default --max-txn-ops: operations one txn may carry
+MAX_TXN_OPS = 128
+#: bytes of keys and values one txn may carry (etcd's default request limit is 1.5 MiB)
+MAX_TXN_BYTES = 1 << 20
 _MIN_ATTEMPT_S = 0.5  # a member gets at least this much of a deadline before the next one
 _MAX_PAUSE_S = 0.5  # between rounds over all endpoints
 _PAGE = 1000  # keys per Range page in get_prefix
@@ -96,6 +103,8 @@ _CHANNEL_OPTIONS = [
 ]
 
 T = TypeVar("T")
+_KEY_SAFE = "".join(sorted(set(string.ascii_letters + string.digits
+                                + string.punctuation) - {"%"}))
 
 
 def _rpc() -> Any:
@@ -367,6 +376,14 @@ class WatchCompacted:
     The watch has ended; the caller resyncs (get_prefix) and watches from its revision+1."""
 
     compact_revision: int
+
+
+def key_part(text: str, *, slash: bool = False) -> str:
+    """`text` (any name) as part of a key: printable ASCII kept ("/" only if `slash`),
+    the rest (and "%") percent-quoted, lone surrogates included, so any two names give
+    two keys and a name never adds a level of its own."""
+    safe = _KEY_SAFE if slash else _KEY_SAFE.replace("/", "")
+    return urllib.parse.quote(text.encode("utf-8", "surrogatepass"), safe=safe)
 
 
 def _as_bytes(value: bytes | bytearray | memoryview | str, what: str) -> bytes:
@@ -667,15 +684,28 @@ class EtcdClient:
         ops += [Delete(k) for k in deletes]
         return self.txn([*conditions, *compare], ops, timeout=timeout)
 
-    def grant(self, ttl: int, *, keepalive: bool = True,
+    def grant(self, ttl: int, *, keepalive: bool = True, owned: bool = True,
               on_lost: Callable[[Lease], object] | None = None,
               timeout: float | None = None) -> Lease:
         """A new lease of `ttl` seconds (etcd may raise it to its minimum), kept alive in
-        the background unless `keepalive` is False; see `Lease`."""
+        the background unless `keepalive` is False; see `Lease`. `owned` False: a lease
+        held for somebody else (kept alive by `refresh` calls on their behalf), which
+        this client leaves alone when it closes."""
         if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
             raise ParamInvalid(f"etcd lease ttl must be a whole number of seconds >= 1, "
                                f"got {ttl!r}")
-        return self._sync(self._grant(ttl, keepalive, on_lost, timeout), timeout)
+        if keepalive and not owned:
+            raise ParamInvalid("etcd lease: a lease this client keeps alive is its own "
+                               "(keepalive=True needs owned=True)")
+        return self._sync(self._grant(ttl, keepalive, owned, on_lost, timeout), timeout)
+
+    def refresh(self, lease: Lease | int, *, timeout: float | None = None) -> int:
+        """One keepalive of a lease (this client's or, by id, anyone's): its TTL starts
+        again. Returns the TTL in seconds, 0 when the lease is gone (expired, revoked)."""
+        lease_id = _lease_id(lease)
+        return self._sync(self._attempts(f"keep lease {lease_id:x} alive",
+                                         functools.partial(self._refresh_at, lease_id),
+                                         timeout), timeout)
 
     def revoke(self, lease: Lease | int, *, timeout: float | None = None) -> None:
         """Revoke a lease (this client's or, by id, anyone's): its keys vanish at once; a
@@ -971,7 +1001,7 @@ class EtcdClient:
 
     # -- leases ---------------------------------------------------------------------
 
-    async def _grant(self, ttl: int, keepalive: bool,
+    async def _grant(self, ttl: int, keepalive: bool, owned: bool,
                      on_lost: Callable[[Lease], object] | None,
                      timeout: float | None) -> Lease:
         loop = asyncio.get_running_loop()
@@ -982,7 +1012,8 @@ class EtcdClient:
             raise TransferFailed(f"{self.config.describe()}: grant a {ttl} s lease: "
                                  f"{reply.error}")
         lease = Lease(self, int(reply.ID), int(reply.TTL), on_lost)
-        self._leases[lease.id] = lease
+        if owned:
+            self._leases[lease.id] = lease
         if keepalive:
             lease._wake = asyncio.Event()
             lease._task = loop.create_task(self._keep(lease, sent),
@@ -996,20 +1027,7 @@ class EtcdClient:
         loop = asyncio.get_running_loop()
         assert lease._wake is not None
         interval = max(lease.ttl / 3, 0.2)
-        request = self._rpc.LeaseKeepAliveRequest(ID=lease.id)
-
-        async def refresh(member: _Member, share: float,
-                          metadata: tuple[tuple[str, str], ...]) -> int:
-            stub = await self._stub(member, "lease")
-            call = stub.LeaseKeepAlive(timeout=share, metadata=(*metadata, _HAS_LEADER))
-            try:
-                await call.write(request)
-                reply = await call.read()
-            finally:
-                call.cancel()
-            if reply is grpc.aio.EOF:
-                raise _Retry("keepalive stream closed", answered=True)
-            return int(reply.TTL)
+        refresh = functools.partial(self._refresh_at, lease.id)
 
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -1029,6 +1047,20 @@ class EtcdClient:
                 self._lease_lost(lease, "etcd says it expired or was revoked")
                 return
             confirmed_at = sent
+
+    async def _refresh_at(self, lease_id: int, member: _Member, share: float,
+                          metadata: tuple[tuple[str, str], ...]) -> int:
+        """One keepalive of `lease_id` on `member`: the TTL etcd granted (0: gone)."""
+        stub = await self._stub(member, "lease")
+        call = stub.LeaseKeepAlive(timeout=share, metadata=(*metadata, _HAS_LEADER))
+        try:
+            await call.write(self._rpc.LeaseKeepAliveRequest(ID=lease_id))
+            reply = await call.read()
+        finally:
+            call.cancel()
+        if reply is grpc.aio.EOF:
+            raise _Retry("keepalive stream closed", answered=True)
+        return int(reply.TTL)
 
     def _lease_lost(self, lease: Lease, reason: str) -> None:
         if lease.lost:
@@ -1188,10 +1220,13 @@ class EtcdClient:
 def _retryable(exc: grpc.aio.AioRpcError) -> bool:
     """A failure another member (or this one, later) may not have: unreachable, no leader,
     or out of time -- including the member giving up when our deadline, which gRPC passes
-    on to it, ran out first (UNKNOWN "context deadline exceeded")."""
-    code = exc.code()
+    on to it, ran out first (UNKNOWN "context deadline exceeded"), and a stream the member
+    closed as we wrote to it (grpc reports INTERNAL "Internal error from Core" and drops
+    the member's status; a member without a leader closes `hasleader` streams so)."""
+    code, details = exc.code(), exc.details() or ""
     return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or (
-        code == grpc.StatusCode.UNKNOWN and "deadline exceeded" in (exc.details() or ""))
+        code == grpc.StatusCode.UNKNOWN and "deadline exceeded" in details) or (
+        code == grpc.StatusCode.INTERNAL and details == "Internal error from Core")
 
 
 def _lease_id(lease: Lease | int | None) -> int:

@@ -211,9 +211,11 @@ class RegistryClient:
     `target`: its "host:port", or every master of the cluster ("h1:p1,h2:p2", a list, or
     an `Endpoints` shared with other clients): calls go to one at a time and fail over
     as hixl.failover says; every call here is safe to repeat. A lease belongs to the
-    master that granted it: once calls have moved to another master, `keepalive` of that
-    lease raises NotConnected at once (publish again, as after a master restart) rather
-    than renewing whatever lease the other master has under the same number.
+    master that granted it, unless its PublishReply named a `lease_scope` the cluster's
+    masters share (masters on etcd): once calls have moved to another master, `keepalive`
+    of a master's own lease raises NotConnected at once (publish again, as after a master
+    restart) rather than renewing whatever lease the other master has under the same
+    number; a shared lease is renewed wherever calls go.
 
     With a `cluster_token`, every call proves it (hixl.auth), as a registry with a token
     requires. `tls`: a hixl.tls.ClientTLS to dial with TLS, False for plaintext, None as
@@ -234,7 +236,8 @@ class RegistryClient:
         self._channels: dict[str, tuple[grpc.Channel, agent_pb2_grpc.RegistryStub]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._leases: dict[int, str] = {}  # lease id -> the address that granted it
+        #: lease id -> the address that granted it ("": any master, a shared scope)
+        self._leases: dict[int, str] = {}
         self._stub(self.endpoints.current())  # a bad first address fails here, not later
 
     @property
@@ -263,7 +266,7 @@ class RegistryClient:
         `lease`, only at the address that granted it (NotConnected elsewhere)."""
         def attempt(address: str, deadline: float) -> Any:
             held_at = self._leases.get(lease) if lease is not None else None
-            if held_at is not None and held_at != address:
+            if held_at and held_at != address:
                 raise NotConnected(f"{what(address)}: the lease was granted by registry "
                                    f"{held_at}, and calls now go to {address}: publish again")
             return self._call_at(address, method, request, what, deadline)
@@ -290,7 +293,7 @@ class RegistryClient:
         reply = self.endpoints.call(attempt, timeout=limit, idempotent=True)
         with self._lock:
             self._leases.pop(reply.lease_id, None)
-            self._leases[reply.lease_id] = granted[-1]
+            self._leases[reply.lease_id] = "" if reply.lease_scope else granted[-1]
             while len(self._leases) > MAX_LEASES_KEPT:
                 del self._leases[next(iter(self._leases))]
         return reply.lease_id

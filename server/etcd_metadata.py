@@ -66,17 +66,17 @@ import logging
 import os
 import secrets
 import socket
-import string
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-from urllib.parse import quote
 
 from hixl.errors import ConfigError, HixlError, NotConnected, TransferTimeout
 from hixl.etcd import (
+    MAX_TXN_BYTES,
+    MAX_TXN_OPS,
     UNAVAILABLE_ERRORS,
     Compare,
     Delete,
@@ -86,6 +86,7 @@ from hixl.etcd import (
     Lease,
     Put,
     TxnOp,
+    key_part,
 )
 from hixl.server.metadata import LoadedState, MetadataBackend, Record, State
 
@@ -96,34 +97,22 @@ SEGMENT_DIR = STORE_DIR + "seg/"
 OBJECT_DIR = STORE_DIR + "obj/"
 NEXT_REPLICA_KEY = STORE_DIR + "meta/next_replica_id"
 WRITER_KEY = STORE_DIR + "writer"
-#: etcd's default --max-txn-ops: operations one txn may carry
-MAX_TXN_OPS = 128
-#: bytes of keys and values one txn may carry (etcd's default request limit is 1.5 MiB)
-MAX_TXN_BYTES = 1 << 20
 #: the writer lease: a master that cannot refresh it for this long is fenced, and a
 #: killed master's claim ends after it
 DEFAULT_WRITER_TTL_S = 10
 _RETRY_PAUSE_S = (0.05, 1.0)   # the committer's pause after a failed txn: first, most
 _OP_OVERHEAD = 16              # bytes a txn op costs besides its key and value
-_SAFE = "".join(sorted(set(string.ascii_letters + string.digits + string.punctuation) - {"%"}))
 
 #: a key's change: the new value, or None to delete it
 Changes = dict[str, bytes | None]
 
 
-def _quote(text: str, *, slash: bool) -> str:
-    """`text` as a key-name part: printable ASCII kept ("/" only if `slash`), the rest
-    (and "%") percent-quoted, lone surrogates included."""
-    safe = _SAFE if slash else _SAFE.replace("/", "")
-    return quote(text.encode("utf-8", "surrogatepass"), safe=safe)
-
-
 def segment_key(engine: str, segment_id: int) -> str:
-    return f"{SEGMENT_DIR}{_quote(engine, slash=False)}/{segment_id}"
+    return f"{SEGMENT_DIR}{key_part(engine)}/{segment_id}"
 
 
 def object_key(key: str) -> str:
-    return OBJECT_DIR + _quote(key, slash=True)
+    return OBJECT_DIR + key_part(key, slash=True)
 
 
 def _json(value: object) -> bytes:

@@ -16,8 +16,9 @@ flags' dests: `port`, `client_ttl_s`, `data_dir`, ...) and an environment variab
 (`MasterConfig.keys()`), so the two cannot drift; `--describe-config` prints it.
 
 With etcd, several masters may serve one cluster (one prefix): they campaign in an etcd
-election (server/leadership.py); the leader loads the store from etcd and serves, the
-others are standbys answering "not the leader" with the leader's address. A leader that
+election (server/leadership.py); the leader loads the registry (server/etcd_registry.py:
+its leases are etcd leases, so they outlive any one master) and the store from etcd and
+serves, the others are standbys answering "not the leader" with the leader's address. A leader that
 loses the leadership exits with status `EXIT_DEPOSED` (3): its supervisor restarts it,
 and it comes back as a standby.
 """
@@ -525,20 +526,24 @@ class _Takeover:
     """What serve() swaps when this master wins the election (etcd only): the store the
     front ends use, its upkeep task, and the backend whose fencing deposes it."""
 
-    def __init__(self, config: MasterConfig, calls: StoreCalls,
+    def __init__(self, config: MasterConfig, calls: StoreCalls, registry: Registry,
                  loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
         self.calls = calls
+        self.registry = registry
         self.loop = loop
         self.backend: Any = None
         self.upkeep: asyncio.Task[None] | None = None
         self.exit_code = 0
 
     def take_over(self, election: Election, client: EtcdClient) -> None:
-        """(The candidate's thread.) Open the store's metadata on etcd fenced on this
-        leadership, load it, and make it the one the front ends serve."""
+        """(The candidate's thread.) Load the registry and the store's metadata from
+        etcd, writes fenced on this leadership, and make them what the front ends serve."""
         from hixl.server.etcd_metadata import EtcdMetadataBackend
+        from hixl.server.etcd_registry import EtcdRegistry
 
+        assert isinstance(self.registry, EtcdRegistry)
+        self.registry.attach(client, fence=lambda: [election.fence()])
         backend = EtcdMetadataBackend(client, writer_ttl=self.config.store.etcd_lease_ttl,
                                       take_over=True, fence=lambda: [election.fence()])
         store = ObjectStore(self.config.store.options(), backend=backend)  # loads
@@ -585,7 +590,11 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     except ConfigError as exc:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 2
-    registry = Registry(max_ttl_ms=config.max_lease_ttl_ms)
+    if etcd is None:
+        registry = Registry(max_ttl_ms=config.max_lease_ttl_ms)
+    else:
+        from hixl.server.etcd_registry import EtcdRegistry
+        registry = EtcdRegistry(max_ttl_ms=config.max_lease_ttl_ms)
     leadership = Leadership() if etcd is not None else None
     interceptors = server_interceptors(cluster_token)
     if leadership is not None:
@@ -618,7 +627,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         # never served: the gate refuses every call until the real one is loaded
         store = ObjectStore(config.store.options())
     calls = StoreCalls(store)
-    standby = _Takeover(config, calls, loop)
+    standby = _Takeover(config, calls, registry, loop)
     if etcd is not None:
         assert leadership is not None
         candidate = Candidate(etcd, leadership, ttl=config.store.etcd_lease_ttl,
@@ -645,6 +654,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     async def close_store() -> None:
         if candidate is not None:
             await asyncio.to_thread(candidate.halt)  # no takeover while closing
+        await asyncio.to_thread(registry.close)  # the leases stay on etcd for the next one
         await asyncio.to_thread(calls.store.close)
         if candidate is not None:
             await asyncio.to_thread(candidate.close)  # resign: a standby leads at once

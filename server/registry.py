@@ -18,11 +18,13 @@ import contextlib
 import enum
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 
@@ -47,6 +49,7 @@ from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger("hixl.registry")
+T = TypeVar("T")
 
 DEFAULT_MAX_TTL_MS = 60_000
 DEFAULT_WATCH_QUEUE_LIMIT = 1024
@@ -222,6 +225,12 @@ class Subscription:
         self.close()
 
 
+def stale_publish(engine: str, epoch: int, held: int) -> StaleEpoch:
+    """The refusal of a publish older than the epoch the registry holds for `engine`."""
+    return StaleEpoch(f"publish {engine!r}: epoch {epoch} is older than the epoch {held} "
+                      "already published for that engine (a newer agent replaced this one)")
+
+
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -256,6 +265,13 @@ class _Lease:
 class Registry:
     """Thread-safe global address table: engine -> leased, published segment table."""
 
+    #: writes wait on something remote (server/etcd_registry.py): the gRPC skin runs them
+    #: on a thread instead of the event loop
+    blocking = False
+    #: "" : a lease is known here only; else the lease space all masters of the cluster
+    #: share (PublishReply.lease_scope)
+    lease_scope = ""
+
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  max_ttl_ms: int = DEFAULT_MAX_TTL_MS,
                  watch_queue_limit: int = DEFAULT_WATCH_QUEUE_LIMIT) -> None:
@@ -267,7 +283,10 @@ class Registry:
         self.max_ttl_ms = max_ttl_ms
         self._watch_queue_limit = watch_queue_limit
         self._lock = threading.Lock()
-        self._lease_ids = itertools.count(1)
+        # Lease ids start at a random point, so a restarted registry never hands out a
+        # number its predecessor gave: an agent renewing its old lease there is told it
+        # is unknown (and publishes again), never renews another engine's lease.
+        self._lease_ids = itertools.count(secrets.randbits(52) + 1)
         self._leases: dict[int, _Lease] = {}
         self._by_engine: dict[str, _Lease] = {}
         self._subscribers: set[Subscription] = set()
@@ -290,42 +309,67 @@ class Registry:
         The same epoch keeps the lease (the agent's table changed); a newer epoch is a
         restart and gets a new lease, revoking the old one; an older epoch is refused.
         """
+        endpoints, ordered, table = self._check_publish(engine, epoch, segments, ttl_ms,
+                                                        endpoints)
+        with self._lock:
+            now = self._clock()
+            self._sweep_locked(now)
+            held = self._by_engine.get(engine)
+            if held is not None and epoch < held.epoch:
+                raise stale_publish(engine, epoch, held.epoch)
+            lease = self._install_locked(engine, node_id, epoch, ttl_ms, now + ttl_ms / 1000,
+                                         ordered, table, endpoints)
+            return lease.lease_id
+
+    def _check_publish(self, engine: str, epoch: int, segments: Iterable[SegmentInfo],
+                       ttl_ms: int, endpoints: EngineEndpoints | None,
+                       ) -> tuple[EngineEndpoints, tuple[SegmentInfo, ...],
+                                  AddressTable[SegmentInfo]]:
+        """A publish's arguments checked (ParamInvalid naming the bad one) and its table
+        indexed, outside the lock: the endpoints, the segments in base order, the table."""
         self._check_publish_args(engine, epoch, ttl_ms)
         endpoints = NO_ENDPOINTS if endpoints is None else endpoints
         if not isinstance(endpoints, EngineEndpoints):
             raise ParamInvalid(f"publish {engine!r}: endpoints must be EngineEndpoints, got "
                                f"{type(endpoints).__name__}")
         ordered, table = self._build_table(engine, epoch, segments)
-        with self._lock:
-            now = self._clock()
-            self._sweep_locked(now)
-            held = self._by_engine.get(engine)
-            if held is not None and epoch < held.epoch:
-                raise StaleEpoch(
-                    f"publish {engine!r}: epoch {epoch} is older than the epoch {held.epoch} "
-                    "already published for that engine (a newer agent replaced this one)")
-            deadline = now + ttl_ms / 1000
-            self._earliest_deadline = min(self._earliest_deadline, deadline)
-            if held is not None and held.epoch == epoch:
-                self.counters["republishes"] += 1
-                lease = held
-                old_segments = lease.segments
-                announce = (lease.node_id, lease.endpoints) != (node_id, endpoints)
-                lease.node_id, lease.ttl_ms, lease.deadline = node_id, ttl_ms, deadline
-                lease.segments, lease.table, lease.endpoints = ordered, table, endpoints
-            else:
-                old_segments = held.segments if held is not None else ()
-                announce = True
-                if held is not None:
-                    del self._leases[held.lease_id]
-                lease = _Lease(next(self._lease_ids), engine, node_id, epoch, ttl_ms,
-                               deadline, ordered, table, endpoints)
-                self.counters["leases_granted"] += 1
-                self._leases[lease.lease_id] = lease
-                self._by_engine[engine] = lease
-            self._emit_diff_locked(old_segments, held.epoch if held else epoch, ordered, epoch,
-                                   lease.info if announce else None)
-            return lease.lease_id
+        return endpoints, ordered, table
+
+    def _install_locked(self, engine: str, node_id: str, epoch: int, ttl_ms: int,
+                        deadline: float, ordered: tuple[SegmentInfo, ...],
+                        table: AddressTable[SegmentInfo], endpoints: EngineEndpoints,
+                        lease_id: int | None = None) -> _Lease:
+        """Make a checked table `engine`'s, and tell the watchers what changed.
+
+        The same epoch updates the lease in place (re-keyed when `lease_id` names another
+        one); any other epoch replaces the lease by a new one, `lease_id` or the next id.
+        """
+        held = self._by_engine.get(engine)
+        self._earliest_deadline = min(self._earliest_deadline, deadline)
+        if held is not None and held.epoch == epoch:
+            self.counters["republishes"] += 1
+            lease = held
+            old_segments = lease.segments
+            announce = (lease.node_id, lease.endpoints) != (node_id, endpoints)
+            lease.node_id, lease.ttl_ms, lease.deadline = node_id, ttl_ms, deadline
+            lease.segments, lease.table, lease.endpoints = ordered, table, endpoints
+            if lease_id is not None and lease_id != lease.lease_id:
+                del self._leases[lease.lease_id]
+                lease.lease_id = lease_id
+                self._leases[lease_id] = lease
+        else:
+            old_segments = held.segments if held is not None else ()
+            announce = True
+            if held is not None:
+                del self._leases[held.lease_id]
+            lease = _Lease(next(self._lease_ids) if lease_id is None else lease_id, engine,
+                           node_id, epoch, ttl_ms, deadline, ordered, table, endpoints)
+            self.counters["leases_granted"] += 1
+            self._leases[lease.lease_id] = lease
+            self._by_engine[engine] = lease
+        self._emit_diff_locked(old_segments, held.epoch if held else epoch, ordered, epoch,
+                               lease.info if announce else None)
+        return lease
 
     def keepalive(self, lease_id: int) -> int:
         """Extend a live lease by its ttl; returns the ttl in ms."""
@@ -343,6 +387,9 @@ class Registry:
             self._sweep_locked(self._clock())
             self._drop_locked(self._live_lease_locked(lease_id))
             self.counters["unpublishes"] += 1
+
+    def close(self) -> None:
+        """Release what the registry holds outside this process (nothing, here)."""
 
     def expire(self) -> list[str]:
         """Drop every lease whose deadline has passed; returns the engines dropped."""
@@ -599,35 +646,40 @@ class RegistryServicer(agent_pb2_grpc.RegistryServicer):
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 
+    async def _write(self, context: grpc.aio.ServicerContext, call: Callable[..., T],
+                     *args: Any, **kwargs: Any) -> T:
+        """Run a registry write (on a thread when it waits on etcd); errors abort the RPC."""
+        try:
+            if self._registry.blocking:
+                return await asyncio.to_thread(call, *args, **kwargs)
+            return call(*args, **kwargs)
+        except HixlError as exc:
+            await abort_with(context, exc)
+            raise
+
     async def Publish(self, request: agent_pb2.PublishRequest,
                       context: grpc.aio.ServicerContext) -> agent_pb2.PublishReply:
         try:
             segments = [segment_from_pb(pb) for pb in request.segments]
-            endpoints = (endpoints_from_pb(request.endpoints)
-                         if request.HasField("endpoints") else None)
-            lease_id = self._registry.publish(request.engine, request.node_id, request.epoch,
-                                              segments, request.ttl_ms, endpoints=endpoints)
         except HixlError as exc:
             await abort_with(context, exc)
             raise
-        return agent_pb2.PublishReply(lease_id=lease_id, ttl_ms=request.ttl_ms)
+        endpoints = (endpoints_from_pb(request.endpoints)
+                     if request.HasField("endpoints") else None)
+        lease_id = await self._write(context, self._registry.publish, request.engine,
+                                     request.node_id, request.epoch, segments,
+                                     request.ttl_ms, endpoints=endpoints)
+        return agent_pb2.PublishReply(lease_id=lease_id, ttl_ms=request.ttl_ms,
+                                      lease_scope=self._registry.lease_scope)
 
     async def KeepAlive(self, request: agent_pb2.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.KeepAliveReply:
-        try:
-            ttl_ms = self._registry.keepalive(request.lease_id)
-        except HixlError as exc:
-            await abort_with(context, exc)
-            raise
+        ttl_ms = await self._write(context, self._registry.keepalive, request.lease_id)
         return agent_pb2.KeepAliveReply(ttl_ms=ttl_ms)
 
     async def Unpublish(self, request: agent_pb2.UnpublishRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.UnpublishReply:
-        try:
-            self._registry.unpublish(request.lease_id)
-        except HixlError as exc:
-            await abort_with(context, exc)
-            raise
+        await self._write(context, self._registry.unpublish, request.lease_id)
         return agent_pb2.UnpublishReply()
 
     async def QuerySegments(self, request: agent_pb2.QuerySegmentsRequest,

@@ -32,7 +32,7 @@ import uvloop
 from hixl import logs
 from hixl.auth import load_token
 from hixl.control import add_port, server_interceptors
-from hixl.errors import HixlError, ParamInvalid
+from hixl.errors import HixlError, NotConnected, ParamInvalid
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
 from hixl.registry_client import EngineEndpoints, RegistryClient
 from hixl.server.agent import Agent
@@ -81,9 +81,10 @@ class Publisher:
 
     With several master addresses (`master: h1:p1,h2:p2`), the RegistryClient fails over
     by itself (hixl.failover): a renewal the lease's master cannot take (unreachable, not
-    the leader) moves the client to the next master, where the lease is not renewed but
-    lost (NotConnected: lease ids are per master), so the segments are published there at
-    once under a new lease, exactly as after a master restart; at most one renewal
+    the leader) moves the client to the next master. Masters on etcd share the leases
+    (server/etcd_registry.py), so the renewal simply succeeds there; a master of its own
+    (no etcd) does not know the lease (NotConnected), so the segments are published there
+    at once under a new lease, exactly as after a master restart: at most one renewal
     interval (ttl/3) plus the call's deadline after the old master went away.
     """
 
@@ -145,10 +146,12 @@ class Publisher:
                 self.registry.keepalive(self._lease)
                 self.counters["registry_keepalives"] += 1
                 return
-            except HixlError as exc:
+            except NotConnected as exc:  # the master does not know the lease (any more)
                 log.info("registry %s: lease %d lost (%s); publishing again",
                          self._where, self._lease, exc)
                 self._lease = None
+            # any other failure (no master reachable, no leader yet) leaves the lease
+            # as it is: the next renewal, ttl/3 later or sooner on a retry, may well work
         self._dirty = False
         cause, self._cause = self._cause, None
         try:

@@ -17,20 +17,24 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 import numpy as np
 import pytest
+import waiting
 from conftest import AgentProcess
-from etcd_cluster import EtcdCluster, start_cluster_or_skip
+from etcd_cluster import EtcdCluster
 
 from hixl import Engine
+from hixl.client.agent_client import AgentClient
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.registry_bench import MasterProcess
 from hixl.client.store_bench import HolderProcess
 from hixl.etcd import EtcdClient
 from hixl.failover import LEADER_METADATA_KEY, NOT_LEADER_CODE, NotLeader
 from hixl.registry_client import RegistryClient
+from hixl.server.etcd_registry import engine_key
 from hixl.server.leadership import ELECTION_NAME
 from hixl.server.master import EXIT_DEPOSED
 from hixl.store_client import MasterClient, StoreSegment
@@ -49,24 +53,13 @@ SWITCH_CODES = {ErrorCode.RPC_FAIL, ErrorCode.OBJECT_NOT_FOUND,
                 ErrorCode.REPLICA_IS_NOT_READY, ErrorCode.TRANSFER_FAIL}
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[EtcdCluster]:
-    started = start_cluster_or_skip(3)
-    yield started
-    started.close()
-
-
 @pytest.fixture(autouse=True)
 def no_token_from_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HIXL_CLUSTER_TOKEN", raising=False)
     monkeypatch.delenv("HIXL_CLUSTER_TOKEN_FILE", raising=False)
 
 
-def wait_until(predicate: Callable[[], object], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+wait_until = partial(waiting.wait_until, timeout=WAIT_S)
 
 
 def pattern(seed: int, size: int) -> bytes:
@@ -411,31 +404,67 @@ def test_a_leader_cut_off_past_its_lease_exits_and_never_serves_again(
 # ---------------------------------------------------------------- registry, prefixes
 
 
-def test_agents_republish_and_tables_resync_at_the_new_leader(
+def test_the_new_leader_serves_the_same_leases_and_agents_never_republish(
         cluster: EtcdCluster, agent_process: StartAgent) -> None:
-    """The registry is per master (its state on etcd is a later step): after a takeover
-    the agent publishes again at the new leader and an engine's table resyncs there."""
+    """The registry lives on etcd (server/etcd_registry.py): a standby that takes over
+    serves the agent's table at once, under the agent's own lease, which its keepalives
+    go on renewing there; nothing is published again, and an engine's global table
+    resyncs to the same content."""
     with Masters(cluster, 2) as masters:
         first = masters.leader()
+        # the agent's lease outlives the switch (election lease 2 s + loading)
         agent = agent_process(config={"master": ",".join(masters.targets),
-                                      "lease_ttl_ms": 1500,
+                                      "lease_ttl_ms": 6000,
                                       "pool": [{"size": "1MiB", "name": "kv-pool"}]})
         with RegistryClient(masters.targets, timeout=WAIT_S) as registry, \
+                AgentClient(agent.engine) as agent_client, \
                 Engine("127.0.0.1", registry=",".join(masters.targets)) as engine:
             wait_until(lambda: len(registry.query(agent.engine)) == 1, "the agent's segment")
             table = engine.global_table
             assert table is not None
             assert table.wait_for(lambda t: len(t.segments(agent.engine)) == 1, WAIT_S)
             before = table.segments(agent.engine)
+            lease = agent_client.health()["registry"]["lease_id"]
+            assert lease and masters.etcd.refresh(lease) > 0  # an etcd lease
             resyncs = table.resyncs
             first.kill()
             second = masters.leader(exclude=(first.target,))
-            wait_until(lambda: registry.query(agent.engine) == before,
-                       "the agent's segment published again at the new leader")
+            assert registry.query(agent.engine) == before  # loaded from etcd, not republished
             assert registry.current == second.target
+            keepalives = agent_client.stats()["registry_keepalives"]
+            wait_until(lambda: agent_client.stats()["registry_keepalives"] >= keepalives + 2,
+                       "the agent's keepalives renewing its lease at the new leader")
+            assert agent_client.stats()["registry_publishes"] == 1, agent.log()
+            assert agent_client.health()["registry"]["lease_id"] == lease
             assert table.wait_for(lambda t: t.resyncs > resyncs and t.synced
                                   and t.segments(agent.engine) == before, WAIT_S)
             assert table.current == second.target
+
+
+def test_an_agent_that_dies_while_no_master_leads_is_dropped_by_etcd(
+        cluster: EtcdCluster, agent_process: StartAgent) -> None:
+    """Leases end on etcd, not in a master: an agent killed while every master is down
+    is gone from the table the next leader serves."""
+    with Masters(cluster, 1) as masters:
+        only = masters.leader()
+        agent = agent_process(config={"master": only.target, "lease_ttl_ms": 1000,
+                                      "pool": [{"size": "1MiB", "name": "kv-pool"}]})
+        with RegistryClient(masters.targets, timeout=WAIT_S) as registry:
+            wait_until(lambda: len(registry.query(agent.engine)) == 1, "the agent's segment")
+        with AgentClient(agent.engine) as agent_client:
+            lease = agent_client.health()["registry"]["lease_id"]
+        only.kill()
+        agent.proc.kill()
+        agent.proc.wait(10)
+        # (watched by reading the key: a refresh would renew the lease)
+        wait_until(lambda: masters.etcd.get(engine_key(agent.engine)) is None,
+                   "etcd ends the agent's lease")
+        assert masters.etcd.refresh(lease) == 0
+        again = masters.restart(only)
+        masters.leader()
+        with RegistryClient(again.target, timeout=WAIT_S) as registry:
+            assert registry.query(agent.engine) == []
+            assert registry.query_engines(agent.engine) == []
 
 
 def test_a_master_on_another_prefix_never_serves_this_clusters_keys(

@@ -307,12 +307,14 @@ class PublishRequest(_message.Message):
     def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ...) -> None: ...
 
 class PublishReply(_message.Message):
-    __slots__ = ("lease_id", "ttl_ms")
+    __slots__ = ("lease_id", "ttl_ms", "lease_scope")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    lease_scope: str
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., lease_scope: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -1,0 +1,404 @@
+"""The registry with its leases on etcd: `EtcdRegistry` (issue 8).
+
+With etcd configured, the address table outlives the master that serves it: each engine's
+published table is one key, `<prefix>registry/engine/<engine>`, held by an *etcd lease*,
+so etcd (not a master's clock) ends the table of an agent that stopped renewing it, and
+a standby that takes over serves the same leases at once: an agent's next keepalive goes
+to the new leader and simply works, nothing is published again and no watcher sees its
+segments go and come back.
+
+- The value is the agent's own `PublishRequest` (engine, node id, epoch, TTL, endpoints,
+  segments), so what etcd holds is exactly what was published; a table over one txn's
+  size (`hixl.etcd.MAX_TXN_BYTES`: some 20,000 segments of about 50 bytes) is refused
+  (ResourceExhausted).
+- `publish` reads the key, refuses an older epoch (StaleEpoch), and writes it in one txn
+  that compares the key's mod revision (two publishers cannot interleave) and this
+  master's election fence (a deposed leader writes nothing). The same epoch and TTL keep
+  the agent's lease (refreshed first); a newer epoch is a restart: a new lease, and the
+  old one is revoked after the txn. Lease ids are etcd's, valid on every master.
+- `keepalive` is one etcd keepalive of that lease; `unpublish` revokes it (etcd deletes
+  the key). etcd rounds a TTL up to whole seconds (and to its minimum, about 2 s).
+- What every engine sees (queries, `find`, the Watch stream) is the in-memory `Registry`
+  this class extends, kept as a *mirror* of the prefix: loaded with one read, then fed
+  by an etcd watch from the next revision, so nothing is missed between the two. Each
+  change becomes the same REMOVED/ENGINE_UP/ADDED/ENGINE_DOWN events a local registry
+  emits. A write returns once the mirror has applied it (read-your-writes on this
+  master). If etcd compacted the history while the watch was away, the mirror reloads
+  and emits the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from google.protobuf.message import DecodeError
+
+from hixl.control import add_segments, segment_from_pb
+from hixl.errors import HixlError, NotConnected, ParamInvalid, ResourceExhausted, TransferFailed
+from hixl.etcd import (
+    MAX_TXN_BYTES,
+    Compare,
+    EtcdClient,
+    Get,
+    KeyValue,
+    Put,
+    Watch,
+    WatchCompacted,
+    WatchEvent,
+    key_part,
+)
+from hixl.registry_client import EngineEndpoints, endpoints_from_pb, endpoints_to_pb
+from hixl.server.registry import (
+    DEFAULT_MAX_TTL_MS,
+    DEFAULT_WATCH_QUEUE_LIMIT,
+    Registry,
+    stale_publish,
+)
+from hixl.table import AddressTable
+from hixl.types import SegmentInfo
+from hixl.v1 import agent_pb2
+
+log = logging.getLogger("hixl.registry")
+
+ENGINE_DIR = "registry/engine/"
+#: how often publish re-reads and retries when another write to the same engine won
+PUBLISH_ATTEMPTS = 8
+_FOREVER = math.inf  # a mirrored lease's deadline: etcd, not this clock, ends it
+
+
+def engine_key(engine: str) -> str:
+    return ENGINE_DIR + key_part(engine)
+
+
+def lease_seconds(ttl_ms: int) -> int:
+    """An etcd lease TTL for `ttl_ms`: whole seconds, rounded up."""
+    return max(1, math.ceil(ttl_ms / 1000))
+
+
+class _Held(NamedTuple):
+    """What a publish needs of the table the mirror holds."""
+
+    epoch: int
+    ttl_ms: int
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One engine's key, checked and indexed: what the mirror installs."""
+
+    engine: str
+    node_id: str
+    epoch: int
+    ttl_ms: int
+    endpoints: EngineEndpoints
+    segments: tuple[SegmentInfo, ...]
+    table: AddressTable[SegmentInfo]
+
+    @classmethod
+    def decode(cls, registry: Registry, value: bytes) -> _Record:
+        pb = agent_pb2.PublishRequest.FromString(value)
+        segments, table = registry._build_table(
+            pb.engine, pb.epoch, (segment_from_pb(s) for s in pb.segments))
+        return cls(pb.engine, pb.node_id, pb.epoch, pb.ttl_ms,
+                   endpoints_from_pb(pb.endpoints), segments, table)
+
+
+class EtcdRegistry(Registry):
+    """A `Registry` whose leases are etcd leases and whose content mirrors etcd.
+
+    Not usable until `attach(client)` (the master does it when it wins the election);
+    until then every write raises NotConnected. Writes block on etcd (`blocking`: the
+    gRPC skin runs them on a thread); reads are served from the mirror.
+    """
+
+    blocking = True
+
+    def __init__(self, *, max_ttl_ms: int = DEFAULT_MAX_TTL_MS,
+                 watch_queue_limit: int = DEFAULT_WATCH_QUEUE_LIMIT) -> None:
+        super().__init__(max_ttl_ms=max_ttl_ms, watch_queue_limit=watch_queue_limit)
+        self._client: EtcdClient | None = None
+        self._fence: Callable[[], Sequence[Compare]] = list
+        self._watch: Watch | None = None
+        self._changed = threading.Condition(self._lock)
+        self._applied = 0                   # the etcd revision the mirror reflects
+        self._engine_of: dict[str, str] = {}  # key -> engine, for DELETE events
+        self._mod_of: dict[str, int] = {}     # key -> its mod revision, as mirrored
+        #: key -> (value, record) of a publish under way here: installed without decoding
+        self._written: dict[str, tuple[bytes, _Record]] = {}
+        self._revoking: set[int] = set()    # leases unpublished here (not expiries)
+        self._closed = False
+
+    @property
+    def lease_scope(self) -> str:  # type: ignore[override]
+        """Every master on this etcd prefix renews these leases."""
+        client = self._client
+        return f"etcd:{client.prefix}" if client is not None else ""
+
+    # -- life ---------------------------------------------------------------------------
+
+    def attach(self, client: EtcdClient, *,
+               fence: Callable[[], Sequence[Compare]] = list) -> None:
+        """Load the registry from etcd and follow it; writes go to etcd from now on, each
+        fenced by `fence()` (the election's). Blocking; raises the client's typed error
+        when etcd cannot be read."""
+        self._client, self._fence = client, fence
+        self._reload()
+        log.info("registry: on %s (%d engines loaded)", client.config.describe(),
+                 len(self.engines()))
+
+    def close(self) -> None:
+        """Stop following etcd (the leases stay: another master serves them)."""
+        self._closed = True
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            with contextlib.suppress(HixlError):
+                watch.cancel()
+
+    def _reload(self) -> None:
+        """Make the mirror what the prefix holds now (emitting the difference), then watch
+        from the next revision."""
+        client = self._attached()
+        snapshot = client.get_prefix(ENGINE_DIR)
+        loaded = {kv.key: (kv, record) for kv in snapshot.items
+                  if (record := self._decode(kv.key, kv.value)) is not None}
+        with self._lock:
+            for key in [k for k in self._engine_of if k not in loaded]:
+                self._remove_locked(key)
+            for key, (kv, record) in loaded.items():
+                held = self._by_engine.get(record.engine)
+                if held is None or (held.lease_id, held.epoch, held.segments, held.node_id,
+                                    held.endpoints) != (kv.lease, record.epoch,
+                                                        record.segments, record.node_id,
+                                                        record.endpoints):
+                    self._apply_locked(key, kv.mod_revision, kv.lease, record)
+            self._advance_locked(snapshot.revision)
+        self._watch = client.watch_prefix(ENGINE_DIR, self._on_change,
+                                          start_revision=snapshot.revision + 1)
+
+    # -- writes (to etcd) -----------------------------------------------------------------
+
+    def publish(self, engine: str, node_id: str, epoch: int,
+                segments: Sequence[SegmentInfo], ttl_ms: int, *,
+                endpoints: EngineEndpoints | None = None) -> int:
+        endpoints, ordered, table = self._check_publish(engine, epoch, segments, ttl_ms,
+                                                        endpoints)
+        client = self._attached()
+        pb = agent_pb2.PublishRequest(engine=engine, node_id=node_id, epoch=epoch,
+                                      ttl_ms=ttl_ms, endpoints=endpoints_to_pb(endpoints))
+        add_segments(pb.segments, ordered)
+        value = pb.SerializeToString()
+        if len(value) > MAX_TXN_BYTES:
+            raise ResourceExhausted(
+                f"publish {engine!r}: its table of {len(ordered)} segments takes "
+                f"{len(value)} bytes, over the {MAX_TXN_BYTES} one etcd transaction carries "
+                "(the registry is on etcd): publish fewer, larger segments")
+        key = engine_key(engine)
+        record = _Record(engine, node_id, epoch, ttl_ms, endpoints, ordered, table)
+        with self._lock:
+            self._written[key] = (value, record)  # the mirror installs it without decoding
+        try:
+            for attempt in range(PUBLISH_ATTEMPTS):
+                # first from the mirror (no read: the txn's compare proves it current),
+                # then from etcd itself
+                held = self._mirror_view(key, engine) if attempt == 0 else client.get(key)
+                lease_id = self._try_publish(client, key, record, held, value)
+                if lease_id:
+                    return lease_id
+        finally:
+            with self._lock:
+                if self._written.get(key, (None,))[0] is value:
+                    del self._written[key]
+        raise TransferFailed(f"publish {engine!r}: its registry key changed under each of "
+                             f"{PUBLISH_ATTEMPTS} attempts (is another agent publishing as "
+                             "the same engine?)")
+
+    def _mirror_view(self, key: str, engine: str) -> KeyValue | None:
+        """What the mirror holds for `key`, as a read would give it (no value, no create
+        revision: `_held_record` takes epoch and TTL from the mirror)."""
+        with self._lock:
+            lease = self._by_engine.get(engine)
+            revision = self._mod_of.get(key, 0)
+            if lease is None or not revision:
+                return None
+            return KeyValue(key, b"", 0, revision, 0, lease.lease_id)
+
+    def _try_publish(self, client: EtcdClient, key: str, record: _Record,
+                     held: KeyValue | None, value: bytes) -> int:
+        """One check-and-write round against `held` (what the key holds, as far as we
+        know); the lease id, or 0 when the key was not that (read it and go again)."""
+        engine = record.engine
+        old = self._held_record(record.engine, held)
+        if old is not None and record.epoch < old.epoch:
+            raise stale_publish(engine, record.epoch, old.epoch)
+        lease_id, fresh = 0, False
+        if (held is not None and old is not None and held.lease and old.epoch == record.epoch
+                and old.ttl_ms == record.ttl_ms and client.refresh(held.lease) > 0):
+            lease_id = held.lease  # the same agent's table changed: its lease goes on
+        else:
+            lease_id, fresh = client.grant(lease_seconds(record.ttl_ms), keepalive=False,
+                                           owned=False).id, True
+        seen = held.mod_revision if held is not None else 0
+        try:
+            result = client.txn([Compare.mod_revision_is(key, seen), *self._fence()],
+                                [Put(key, value, lease_id)], [Get(key)])
+        except ParamInvalid as exc:
+            if fresh or "lease not found" not in str(exc):
+                raise
+            return 0  # the kept lease ended just now: grant a fresh one
+        if not result.succeeded:
+            if fresh:
+                self._revoke_quietly(client, lease_id)
+            now = result.gets[0][0].mod_revision if result.gets and result.gets[0] else 0
+            if now == seen:
+                raise NotConnected(f"publish {engine!r}: this hixl-master is no longer the "
+                                   "leader of the registry; publish to the leader")
+            return 0
+        if held is not None and held.lease and held.lease != lease_id:
+            self._revoke_quietly(client, held.lease)  # the replaced agent's lease
+        self._wait_applied(result.revision, f"publish {engine!r}")
+        return lease_id
+
+    def _held_record(self, engine: str, held: KeyValue | None) -> _Record | _Held | None:
+        """Epoch and TTL of what `held` holds: decoded from a read, or the mirror's."""
+        if held is None:
+            return None
+        if held.create_revision:  # a read; the mirror's view has none
+            return self._decode(held.key, held.value)
+        with self._lock:
+            lease = self._by_engine.get(engine)
+        return _Held(lease.epoch, lease.ttl_ms) if lease is not None else None
+
+    def keepalive(self, lease_id: int) -> int:
+        client = self._attached()
+        ttl_ms = self._mirrored(lease_id)
+        if client.refresh(lease_id) <= 0:
+            raise NotConnected(f"lease {lease_id} expired or unknown; publish again")
+        with self._lock:
+            self.counters["keepalives"] += 1
+        return ttl_ms
+
+    def unpublish(self, lease_id: int) -> None:
+        client = self._attached()
+        self._mirrored(lease_id)
+        with self._lock:
+            self._revoking.add(lease_id)
+        client.revoke(lease_id)
+        with self._changed:
+            if not self._changed.wait_for(lambda: lease_id not in self._leases,
+                                          client.config.timeout):
+                log.warning("registry: lease %d revoked on etcd, but its deletion did not "
+                            "reach this master's mirror within %g s", lease_id,
+                            client.config.timeout)
+
+    # -- the mirror (fed by the watch, on the etcd client's callback thread) -------------
+
+    def _on_change(self, event: WatchEvent | WatchCompacted) -> None:
+        if self._closed:
+            return
+        if isinstance(event, WatchCompacted):
+            log.warning("registry: etcd compacted the history the watch needed (below "
+                        "revision %d); reloading the registry", event.compact_revision)
+            threading.Thread(target=self._reload_until_done, daemon=True,
+                             name="hixl-registry-reload").start()
+            return
+        record = None
+        if event.kind == "PUT":
+            with self._lock:
+                mine = self._written.get(event.key)
+            record = mine[1] if mine is not None and mine[0] == event.value else \
+                self._decode(event.key, event.value)
+        with self._lock:
+            if record is not None:
+                self._apply_locked(event.key, event.revision, event.lease, record)
+            elif event.kind == "DELETE":
+                self._remove_locked(event.key)
+            self._advance_locked(event.revision)
+
+    def _reload_until_done(self) -> None:
+        pause = 0.1
+        while not self._closed:
+            try:
+                self._reload()
+                return
+            except HixlError as exc:
+                log.warning("registry: reloading from etcd failed (%s); trying again", exc)
+                threading.Event().wait(pause)
+                pause = min(pause * 2, 2.0)
+
+    def _apply_locked(self, key: str, revision: int, lease_id: int, record: _Record) -> None:
+        self._engine_of[key] = record.engine
+        self._mod_of[key] = revision
+        self._install_locked(record.engine, record.node_id, record.epoch, record.ttl_ms,
+                             _FOREVER, record.segments, record.table, record.endpoints,
+                             lease_id=lease_id)
+
+    def _remove_locked(self, key: str) -> None:
+        engine = self._engine_of.pop(key, None)
+        self._mod_of.pop(key, None)
+        lease = self._by_engine.get(engine) if engine is not None else None
+        if lease is None:
+            return
+        self._drop_locked(lease)
+        if lease.lease_id in self._revoking:
+            self._revoking.discard(lease.lease_id)
+            self.counters["unpublishes"] += 1
+        else:
+            log.info("lease %d of engine %r (epoch %d) ended on etcd", lease.lease_id,
+                     lease.engine, lease.epoch)
+            self.counters["expiries"] += 1
+
+    def _advance_locked(self, revision: int) -> None:
+        if revision > self._applied:
+            self._applied = revision
+            self._changed.notify_all()
+
+    def _wait_applied(self, revision: int, what: str) -> None:
+        """Return once the mirror reflects `revision` (the write just made), so a query on
+        this master sees it; a mirror that lags past the deadline is logged, not raised:
+        the write itself is committed."""
+        timeout = self._attached().config.timeout
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._applied >= revision, timeout):
+                log.warning("registry: %s is committed on etcd (revision %d), but this "
+                            "master's mirror has not seen it within %g s", what, revision,
+                            timeout)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _attached(self) -> EtcdClient:
+        client = self._client
+        if client is None or self._closed:
+            raise NotConnected("the registry is not served from etcd by this hixl-master "
+                               "(not the leader, or shutting down)")
+        return client
+
+    def _mirrored(self, lease_id: int) -> int:
+        """The TTL (ms) of mirrored lease `lease_id`; NotConnected when there is none
+        (expired, revoked, or not a registry lease at all: this master refreshes and
+        revokes only the leases it publishes under)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotConnected(f"lease {lease_id} expired or unknown; publish again")
+        return lease.ttl_ms
+
+    def _decode(self, key: str, value: bytes) -> _Record | None:
+        try:
+            return _Record.decode(self, value)
+        except (HixlError, ValueError, DecodeError) as exc:  # not written by hixl: skip it, say so
+            log.error("registry: ignoring etcd key %r: not a valid published table (%s)",
+                      key, exc)
+            return None
+
+    @staticmethod
+    def _revoke_quietly(client: EtcdClient, lease_id: int) -> None:
+        with contextlib.suppress(HixlError):  # it expires by itself anyway
+            client.revoke(lease_id)
+
+__all__ = ["ENGINE_DIR", "EtcdRegistry", "engine_key", "lease_seconds"]
