@@ -556,6 +556,8 @@ def _why_unavailable(details: str, exc: object) -> str:
         return ("TLS handshake failed: the server's certificate does not name the address "
                 "dialled; give it that address as a subjectAltName, or set "
                 f"{ENV_TLS_SERVER_NAME} to a name it carries")
+    if "stream removed" in text:  # the connection was up: it broke during this call
+        return "the connection broke during the call (the server stopped or was cut off)"
     if "socket closed" in text or "connection reset" in text:
         if tls is False:
             return ("the server closed the connection at once: it may require TLS; give "
