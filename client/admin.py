@@ -12,8 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+
 from hixl.client.agent_client import AgentClient
 from hixl.client.bench import format_table, human_size
+from hixl.control import error_from_rpc, open_channel
 from hixl.errors import (
     AuthenticationFailed,
     HixlError,
@@ -22,16 +25,20 @@ from hixl.errors import (
     TransferTimeout,
     Unsupported,
 )
+from hixl.failover import leader_hint, parse_addresses
 from hixl.registry_client import EngineInfo, RegistryClient
 from hixl.server.config import DEFAULT_GRPC_PORT
 from hixl.store_client import KeyInfo, MasterClient, MasterRpcError
 from hixl.store_codes import ErrorCode
 from hixl.tls import TlsSetting
 from hixl.types import Perm, SegmentInfo
+from hixl.v1 import agent_pb2, agent_pb2_grpc
 
 DEFAULT_AGENT = f"127.0.0.1:{DEFAULT_GRPC_PORT}"
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_KEY_LIMIT = 1000
+#: the engine `master_roles` asks a master's registry for: any answer at all will do
+ROLE_PROBE_ENGINE = "hixl-status:role-probe"
 
 
 class EndpointError(HixlError):
@@ -103,12 +110,54 @@ def agent_status(target: str, *, token: bytes | None, timeout: float,
     return report
 
 
+def master_roles(target: str, *, token: bytes | None, timeout: float,
+                 tls: TlsSetting = None) -> list[dict[str, str]]:
+    """Each master address in `target` ("h1:p1,h2:p2") asked on its own, with no
+    fail-over: {"address", "role", "leader", "detail"}, role "serving" (it answers: the
+    leader, or a master without etcd), "standby" (it answered "not the leader", naming
+    `leader`, "" while none is known) or "down" (`detail` says why)."""
+    roles: list[dict[str, str]] = []
+    for address in parse_addresses(target, "master address"):
+        channel, stub = open_channel(address, token=token, tls=tls)
+        try:
+            agent_pb2_grpc.RegistryStub(stub).QuerySegments(
+                agent_pb2.QuerySegmentsRequest(engine=ROLE_PROBE_ENGINE), timeout=timeout)
+            roles.append({"address": address, "role": "serving", "leader": address,
+                          "detail": ""})
+        except grpc.RpcError as exc:
+            hint = leader_hint(exc)
+            if hint is not None:
+                roles.append({"address": address, "role": "standby", "leader": hint,
+                              "detail": exc.details() or ""})
+            else:
+                error = error_from_rpc(exc, f"registry query at master {address}")
+                roles.append({"address": address, "role": "down", "leader": "",
+                              "detail": explain(error, "master", address, timeout)})
+        finally:
+            channel.close()
+    return roles
+
+
 def master_status(target: str, *, token: bytes | None, timeout: float,
                   tls: TlsSetting = None) -> dict[str, Any]:
     """The master's registry (engines, segments) and store (mounted segments, capacity,
-    used, objects, clients): {"endpoint", "ok", "problems", "registry", "store"}."""
+    used, objects, clients), and, when several master addresses are given, the role of
+    each (`master_roles`): {"endpoint", "ok", "problems", "masters", "registry", "store"}.
+    One of them down, or none serving, is a problem (fail-over degraded or impossible)."""
     report: dict[str, Any] = {"endpoint": target, "ok": False, "problems": [],
-                              "registry": None, "store": None}
+                              "masters": [], "registry": None, "store": None}
+    try:
+        several = len(parse_addresses(target, "master address")) > 1
+    except HixlError as exc:  # a bad address list: nothing can be asked
+        report["problems"].append(explain(exc, "master", target, timeout))
+        return report
+    if several:  # (one address: the calls below say what is wrong with it)
+        masters = report["masters"] = master_roles(target, token=token, timeout=timeout,
+                                                   tls=tls)
+        report["problems"] += [m["detail"] for m in masters if m["role"] == "down"]
+        if not any(m["role"] == "serving" for m in masters):
+            report["problems"].append(f"master {target}: no master serves: " + "; ".join(
+                f"{m['address']} {m['role']}" for m in masters))
     try:
         engines, segments = _registry_table(target, token, timeout, tls)
     except HixlError as exc:
@@ -329,9 +378,14 @@ def _format_agent(agent: dict[str, Any]) -> list[str]:
 
 def _format_master(master: dict[str, Any]) -> list[str]:
     registry, store = master["registry"], master["store"]
-    if registry is None and store is None:
-        return [f"master {master['endpoint']}: DOWN"]
-    lines = [f"master {master['endpoint']}: " + ("SERVING" if master["ok"] else "DEGRADED")]
+    down = registry is None and store is None
+    lines = [f"master {master['endpoint']}: "
+             + ("DOWN" if down else "SERVING" if master["ok"] else "DEGRADED")]
+    masters = master.get("masters") or []
+    if masters:
+        lines.append("  masters   " + ", ".join(_role_text(m) for m in masters))
+    if down:
+        return lines
     if registry is not None:
         lines.append(f"  registry  {len(registry['engines'])} engines, "
                      f"{registry['segments']} segments ({_size(registry['bytes'])})")
@@ -361,6 +415,14 @@ def _format_master(master: dict[str, Any]) -> list[str]:
                  for s in store["segments"]], left=(0, 1, 4, 5))
             lines += ["    " + line for line in table.splitlines()]
     return lines
+
+
+def _role_text(master: dict[str, str]) -> str:
+    if master["role"] == "serving":
+        return f"{master['address']} leader"
+    if master["role"] == "standby":
+        return f"{master['address']} standby (leader: {master['leader'] or 'none yet'})"
+    return f"{master['address']} DOWN"
 
 
 def format_segments(listing: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ took (scripts/bench_failover.py measures that).
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 import time
@@ -27,7 +28,9 @@ from conftest import AgentProcess
 from etcd_cluster import EtcdCluster
 
 from hixl import Engine
+from hixl.client.admin import master_roles
 from hixl.client.agent_client import AgentClient
+from hixl.client.cli import main as cli_main
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.registry_bench import MasterProcess
 from hixl.client.store_bench import HolderProcess
@@ -399,6 +402,42 @@ def test_a_leader_cut_off_past_its_lease_exits_and_never_serves_again(
         again = masters.restart(old)
         assert not masters.serves(again.target)
         assert store.put("after", b"3") == 0 and store.get("after") == b"3"
+
+
+def test_status_shows_each_masters_role_and_a_dead_standby(
+        cluster: EtcdCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    with Masters(cluster, 3) as masters:
+        leader = masters.leader()
+        standbys = [p.target for p in masters.procs if p is not leader]
+        everyone = ",".join(masters.targets)
+        wait_until(lambda: all(masters_roles(everyone)[s]["leader"] == leader.target
+                               for s in standbys), "every standby to know the leader")
+
+        capsys.readouterr()
+        assert cli_main(["status", "--master", everyone, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)["master"]
+        roles = {m["address"]: (m["role"], m["leader"]) for m in report["masters"]}
+        assert roles == {leader.target: ("serving", leader.target),
+                         **{s: ("standby", leader.target) for s in standbys}}
+        assert cli_main(["status", "--master", everyone]) == 0
+        text = capsys.readouterr().out
+        assert f"{leader.target} leader" in text
+        assert f"{standbys[0]} standby (leader: {leader.target})" in text
+
+        dead = masters.procs[masters.targets.index(standbys[1])]
+        dead.kill()
+        assert cli_main(["status", "--master", everyone, "--timeout", "2"]) == 1
+        out, err = capsys.readouterr()
+        assert f"{standbys[1]} DOWN" in out and "DEGRADED" in out
+        assert f"master {standbys[1]}: unreachable" in err
+        # the leader itself down: nobody serves until a standby takes over
+        leader.kill()
+        assert cli_main(["status", "--master", everyone, "--timeout", "2"]) == 1
+        assert f"{leader.target} DOWN" in capsys.readouterr().out
+
+
+def masters_roles(target: str) -> dict[str, dict[str, str]]:
+    return {m["address"]: m for m in master_roles(target, token=None, timeout=WAIT_S)}
 
 
 # ---------------------------------------------------------------- registry, prefixes
