@@ -120,8 +120,14 @@ class EtcdRegistry(Registry):
     blocking = True
 
     def __init__(self, *, max_ttl_ms: int = DEFAULT_MAX_TTL_MS,
-                 watch_queue_limit: int = DEFAULT_WATCH_QUEUE_LIMIT) -> None:
+                 watch_queue_limit: int = DEFAULT_WATCH_QUEUE_LIMIT,
+                 switch_s: float = 0.0) -> None:
+        """`switch_s`: how long the masters take to switch leaders (about their election
+        TTL); an agent publishing a shorter lease is warned of, once: its table would
+        lapse during a switch."""
         super().__init__(max_ttl_ms=max_ttl_ms, watch_queue_limit=watch_queue_limit)
+        self.switch_s = switch_s
+        self._warned_short: set[str] = set()
         self._client: EtcdClient | None = None
         self._fence: Callable[[], Sequence[Compare]] = list
         self._watch: Watch | None = None
@@ -200,6 +206,13 @@ class EtcdRegistry(Registry):
                 "(the registry is on etcd): publish fewer, larger segments")
         key = engine_key(engine)
         record = _Record(engine, node_id, epoch, ttl_ms, endpoints, ordered, table)
+        if ttl_ms < self.switch_s * 1000 and engine not in self._warned_short:
+            self._warned_short.add(engine)
+            log.warning("registry: engine %r publishes with a %g s lease, shorter than the "
+                        "masters' switch time (about %g s): during a switch its table "
+                        "lapses and it publishes again; give its agent lease_ttl_ms of "
+                        "%d or more", engine, ttl_ms / 1000, self.switch_s,
+                        math.ceil(self.switch_s * 2) * 1000)
         with self._lock:
             self._written[key] = (value, record)  # the mirror installs it without decoding
         try:

@@ -594,7 +594,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         registry = Registry(max_ttl_ms=config.max_lease_ttl_ms)
     else:
         from hixl.server.etcd_registry import EtcdRegistry
-        registry = EtcdRegistry(max_ttl_ms=config.max_lease_ttl_ms)
+        registry = EtcdRegistry(max_ttl_ms=config.max_lease_ttl_ms,
+                                switch_s=config.store.etcd_lease_ttl)
     leadership = Leadership() if etcd is not None else None
     interceptors = server_interceptors(cluster_token)
     if leadership is not None:

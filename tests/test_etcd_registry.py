@@ -10,6 +10,7 @@ deadlines that only prove "does not hang"; nothing asserts a speed.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -220,6 +221,19 @@ def test_a_fenced_master_cannot_publish(registries: Registries) -> None:
         registry.publish("e2", "n", 1, [seg("e2", 1, 0x1000)], TTL_MS)
     assert "e2" not in registry.engines()
     assert registries.client().get(engine_key("e2")) is None
+
+
+def test_a_lease_shorter_than_the_switch_time_is_warned_of_once(
+        registries: Registries, caplog: pytest.LogCaptureFixture) -> None:
+    registry = EtcdRegistry(switch_s=5)
+    registry.attach(registries.client())
+    registries.opened.append(registry)
+    with caplog.at_level(logging.WARNING, logger="hixl.registry"):
+        registry.publish("short", "n", 1, [seg("short", 1, 0x1000)], 2000)
+        registry.publish("short", "n", 1, [seg("short", 1, 0x1000)], 2000)
+        registry.publish("long", "n", 1, [seg("long", 1, 0x1000)], TTL_MS)
+    warned = [r.getMessage() for r in caplog.records if "switch time" in r.getMessage()]
+    assert len(warned) == 1 and "'short'" in warned[0] and "lease_ttl_ms of 10000" in warned[0]
 
 
 def test_bad_input_is_refused_before_etcd_is_touched(registries: Registries) -> None:
