@@ -183,6 +183,7 @@ class EtcdRegistry(Registry):
                                                         record.segments, record.node_id,
                                                         record.endpoints):
                     self._apply_locked(key, kv.mod_revision, kv.lease, record)
+                self._mod_of[key] = kv.mod_revision  # (also when only that changed)
             self._advance_locked(snapshot.revision)
         self._watch = client.watch_prefix(ENGINE_DIR, self._on_change,
                                           start_revision=snapshot.revision + 1)
