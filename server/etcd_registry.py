@@ -46,7 +46,6 @@ from hixl.etcd import (
     Compare,
     EtcdClient,
     Get,
-    KeyValue,
     Put,
     Watch,
     WatchCompacted,
@@ -81,11 +80,15 @@ def lease_seconds(ttl_ms: int) -> int:
     return max(1, math.ceil(ttl_ms / 1000))
 
 
-class _Held(NamedTuple):
-    """What a publish needs of the table the mirror holds."""
+class _Seen(NamedTuple):
+    """What a publish knows an engine's key holds (from the mirror, or read from etcd):
+    its mod revision and lease, and the epoch and TTL of its table (None: a value hixl
+    cannot decode, which the publish simply replaces)."""
 
-    epoch: int
-    ttl_ms: int
+    mod_revision: int
+    lease: int
+    epoch: int | None
+    ttl_ms: int | None
 
 
 @dataclass(frozen=True)
@@ -220,8 +223,9 @@ class EtcdRegistry(Registry):
             for attempt in range(PUBLISH_ATTEMPTS):
                 # first from the mirror (no read: the txn's compare proves it current),
                 # then from etcd itself
-                held = self._mirror_view(key, engine) if attempt == 0 else client.get(key)
-                lease_id = self._try_publish(client, key, record, held, value)
+                seen = (self._mirror_view(key, engine) if attempt == 0
+                        else self._read_view(client, key))
+                lease_id = self._try_publish(client, key, record, seen, value)
                 if lease_id:
                     return lease_id
         finally:
@@ -232,34 +236,42 @@ class EtcdRegistry(Registry):
                              f"{PUBLISH_ATTEMPTS} attempts (is another agent publishing as "
                              "the same engine?)")
 
-    def _mirror_view(self, key: str, engine: str) -> KeyValue | None:
-        """What the mirror holds for `key`, as a read would give it (no value, no create
-        revision: `_held_record` takes epoch and TTL from the mirror)."""
+    def _mirror_view(self, key: str, engine: str) -> _Seen | None:
+        """What the mirror holds for `key` (no read: the txn's compare proves it current)."""
         with self._lock:
             lease = self._by_engine.get(engine)
             revision = self._mod_of.get(key, 0)
             if lease is None or not revision:
                 return None
-            return KeyValue(key, b"", 0, revision, 0, lease.lease_id)
+            return _Seen(revision, lease.lease_id, lease.epoch, lease.ttl_ms)
+
+    def _read_view(self, client: EtcdClient, key: str) -> _Seen | None:
+        """What etcd holds for `key` now."""
+        kv = client.get(key)
+        if kv is None:
+            return None
+        record = self._decode(kv.key, kv.value)
+        if record is None:
+            return _Seen(kv.mod_revision, kv.lease, None, None)
+        return _Seen(kv.mod_revision, kv.lease, record.epoch, record.ttl_ms)
 
     def _try_publish(self, client: EtcdClient, key: str, record: _Record,
-                     held: KeyValue | None, value: bytes) -> int:
-        """One check-and-write round against `held` (what the key holds, as far as we
+                     seen: _Seen | None, value: bytes) -> int:
+        """One check-and-write round against `seen` (what the key holds, as far as we
         know); the lease id, or 0 when the key was not that (read it and go again)."""
         engine = record.engine
-        old = self._held_record(record.engine, held)
-        if old is not None and record.epoch < old.epoch:
-            raise stale_publish(engine, record.epoch, old.epoch)
+        if seen is not None and seen.epoch is not None and record.epoch < seen.epoch:
+            raise stale_publish(engine, record.epoch, seen.epoch)
         lease_id, fresh = 0, False
-        if (held is not None and old is not None and held.lease and old.epoch == record.epoch
-                and old.ttl_ms == record.ttl_ms and client.refresh(held.lease) > 0):
-            lease_id = held.lease  # the same agent's table changed: its lease goes on
+        if (seen is not None and seen.lease and seen.epoch == record.epoch
+                and seen.ttl_ms == record.ttl_ms and client.refresh(seen.lease) > 0):
+            lease_id = seen.lease  # the same agent's table changed: its lease goes on
         else:
             lease_id, fresh = client.grant(lease_seconds(record.ttl_ms), keepalive=False,
                                            owned=False).id, True
-        seen = held.mod_revision if held is not None else 0
+        expected = seen.mod_revision if seen is not None else 0
         try:
-            result = client.txn([Compare.mod_revision_is(key, seen), *self._fence()],
+            result = client.txn([Compare.mod_revision_is(key, expected), *self._fence()],
                                 [Put(key, value, lease_id)], [Get(key)])
         except ParamInvalid as exc:
             if fresh or "lease not found" not in str(exc):
@@ -269,24 +281,14 @@ class EtcdRegistry(Registry):
             if fresh:
                 self._revoke_quietly(client, lease_id)
             now = result.gets[0][0].mod_revision if result.gets and result.gets[0] else 0
-            if now == seen:
+            if now == expected:
                 raise NotConnected(f"publish {engine!r}: this hixl-master is no longer the "
                                    "leader of the registry; publish to the leader")
             return 0
-        if held is not None and held.lease and held.lease != lease_id:
-            self._revoke_quietly(client, held.lease)  # the replaced agent's lease
+        if seen is not None and seen.lease and seen.lease != lease_id:
+            self._revoke_quietly(client, seen.lease)  # the replaced agent's lease
         self._wait_applied(result.revision, f"publish {engine!r}")
         return lease_id
-
-    def _held_record(self, engine: str, held: KeyValue | None) -> _Record | _Held | None:
-        """Epoch and TTL of what `held` holds: decoded from a read, or the mirror's."""
-        if held is None:
-            return None
-        if held.create_revision:  # a read; the mirror's view has none
-            return self._decode(held.key, held.value)
-        with self._lock:
-            lease = self._by_engine.get(engine)
-        return _Held(lease.epoch, lease.ttl_ms) if lease is not None else None
 
     def keepalive(self, lease_id: int) -> int:
         client = self._attached()

@@ -18,9 +18,9 @@ flags' dests: `port`, `client_ttl_s`, `data_dir`, ...) and an environment variab
 With etcd, several masters may serve one cluster (one prefix): they campaign in an etcd
 election (server/leadership.py); the leader loads the registry (server/etcd_registry.py:
 its leases are etcd leases, so they outlive any one master) and the store from etcd and
-serves, the others are standbys answering "not the leader" with the leader's address. A leader that
-loses the leadership exits with status `EXIT_DEPOSED` (3): its supervisor restarts it,
-and it comes back as a standby.
+serves, the others are standbys answering "not the leader" with the leader's address. A
+leader that loses the leadership exits with status `EXIT_DEPOSED` (3): its supervisor
+restarts it, and it comes back as a standby.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from hixl.control import add_port, server_interceptors
 from hixl.errors import ConfigError, HixlError
 from hixl.etcd import DEFAULT_PREFIX as DEFAULT_ETCD_PREFIX
 from hixl.etcd import DEFAULT_TIMEOUT_S as DEFAULT_ETCD_TIMEOUT_S
-from hixl.etcd import UNAVAILABLE_ERRORS, Election, EtcdClient, EtcdConfig
+from hixl.etcd import UNAVAILABLE_ERRORS, Compare, Election, EtcdClient, EtcdConfig
 from hixl.failover import parse_address
 from hixl.logs import setup_logging
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
@@ -542,10 +542,13 @@ class _Takeover:
         from hixl.server.etcd_metadata import EtcdMetadataBackend
         from hixl.server.etcd_registry import EtcdRegistry
 
+        def fence() -> list[Compare]:  # every write lands only while this master leads
+            return [election.fence()]
+
         assert isinstance(self.registry, EtcdRegistry)
-        self.registry.attach(client, fence=lambda: [election.fence()])
+        self.registry.attach(client, fence=fence)
         backend = EtcdMetadataBackend(client, writer_ttl=self.config.store.etcd_lease_ttl,
-                                      take_over=True, fence=lambda: [election.fence()])
+                                      take_over=True, fence=fence)
         store = ObjectStore(self.config.store.options(), backend=backend)  # loads
         self.backend = backend
         placeholder, self.calls.store = self.calls.store, store

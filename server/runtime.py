@@ -142,16 +142,17 @@ class Publisher:
 
     def _step(self) -> None:
         if self._lease is not None and not self._dirty:
+            # only a lease the master does not know is published anew; any other failure
+            # (no master reachable, no leader yet) propagates and keeps the lease: the
+            # next renewal, sooner on a retry, may well work
             try:
                 self.registry.keepalive(self._lease)
                 self.counters["registry_keepalives"] += 1
                 return
-            except NotConnected as exc:  # the master does not know the lease (any more)
+            except NotConnected as exc:
                 log.info("registry %s: lease %d lost (%s); publishing again",
                          self._where, self._lease, exc)
                 self._lease = None
-            # any other failure (no master reachable, no leader yet) leaves the lease
-            # as it is: the next renewal, ttl/3 later or sooner on a retry, may well work
         self._dirty = False
         cause, self._cause = self._cause, None
         try:
