@@ -32,7 +32,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -189,18 +188,6 @@ def pe_main(spec: dict[str, Any]) -> int:
 # ---------------------------------------------------------------- the bench
 
 
-class _Capture(io.StringIO):
-    """The jobs' output (every PE line), kept for the error message of a failed job."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            return super().write(text)
-
-
 def _case_name(layers: int, page: int) -> str:
     seed = " (seed)" if (layers, page) == (SEED_LAYERS, SEED_PAGE) else ""
     return f"{layers}x{human_size(page)}{seed}"
@@ -220,7 +207,7 @@ def run_case(config: KvBenchConfig, page: int, path: str, bootstrap: str,
             "pool_pes": config.pool_pes, "top_k": config.top_k, "steps": config.steps,
             "runs": config.runs, "local_paths": path == "mapped", "timeout": config.timeout,
             "job_timeout": job_timeout, "out": out}
-    capture = _Capture()
+    capture = io.StringIO()  # every PE line (run_job serializes them), for a failure
     result = run_job([sys.executable, "-m", "hixl.client.kv_offload_bench", "--pe-worker",
                       json.dumps(spec)], 1 + config.pool_pes, bootstrap=bootstrap,
                      timeout=job_timeout, output=capture)
