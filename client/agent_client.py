@@ -34,6 +34,8 @@ from hixl.errors import (
     TransferTimeout,
     error_for_status,
 )
+from hixl.memory import FdGrant
+from hixl.segment_states import StateView
 from hixl.tls import TlsSetting
 from hixl.types import Perm, SegmentInfo, check_allowed_engines
 from hixl.v1 import agent_pb2, agent_pb2_grpc
@@ -267,7 +269,13 @@ class FdClient:
     # ------------------------------------------------------------ operations
 
     def fetch(self, segment_id: int, epoch: int, writable: bool) -> tuple[int, int]:
-        """(fd, length) of a segment to map; the caller closes the fd.
+        """(fd, length) of a segment to map; the caller closes the fd (see `grant`)."""
+        grant = self.grant(segment_id, epoch, writable)
+        return grant.fd, grant.length
+
+    def grant(self, segment_id: int, epoch: int, writable: bool) -> FdGrant:
+        """What it takes to map a segment: an fd (the caller closes it), the segment's
+        length, its offset in that file and its liveness slot (`states`).
 
         A read-only request gets an O_RDONLY fd; a write request on a read-only segment,
         or one from an engine the segment's allow-list does not name, raises
@@ -276,13 +284,28 @@ class FdClient:
         reply, fds = self._request(
             {"op": "get_fd", "segment_id": segment_id, "epoch": epoch, "write": bool(writable),
              "engine": self.engine}, f"fetch fd of segment {segment_id}")
-        if len(fds) != 1 or not isinstance(reply.get("length"), int):
+        fields = [reply.get(name, 0) for name in ("length", "offset", "slot")]
+        if len(fds) != 1 or "length" not in reply or not all(
+                type(value) is int and value >= 0 for value in fields):
             for fd in fds:
                 os.close(fd)
             raise PeerUnavailable(
                 f"agent fd socket {self.path}: malformed get_fd reply {reply!r} "
                 f"with {len(fds)} fds")
-        return fds[0], reply["length"]
+        return FdGrant(fds[0], *fields)
+
+    def states(self) -> StateView:
+        """A read-only view of the agent's segment liveness words (one fetch, one mmap)."""
+        reply, fds = self._request({"op": "get_states"}, "fetch segment states")
+        capacity = reply.get("capacity")
+        try:
+            if len(fds) != 1 or type(capacity) is not int or capacity <= 0:
+                raise PeerUnavailable(f"agent fd socket {self.path}: malformed get_states "
+                                      f"reply {reply!r} with {len(fds)} fds")
+            return StateView(fds[0], capacity)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def deposit(self, fd: int, length: int) -> str:
         """Hand `fd` to the agent (it gets its own copy); returns a ticket for RegisterSegment."""

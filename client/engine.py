@@ -51,7 +51,7 @@ from hixl.metrics import (
     gauge,
     traffic_families,
 )
-from hixl.options import EngineOptions
+from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM, EngineOptions
 from hixl.table import MAX_ADDRESS, AddressTable, check_range
 from hixl.tls import ClientTLS, TlsSetting, client_tls
 from hixl.transports.base import Item, Transport
@@ -128,6 +128,24 @@ def _account(peer: _Peer, op: TransferOp, fabric_items: list[Item], socket_items
         peer.fabric_traffic[op].add(len(fabric_items), nbytes, seconds)  # type: ignore[index]
 
 
+def _failed(peer: _Peer, traffic: Traffic, exc: Exception) -> None:
+    """Count a failed call; a segment found deregistered (the only ParamInvalid a
+    transport raises itself) makes the next call reload a cached peer table."""
+    traffic.failed(exc)
+    if type(exc) is ParamInvalid:
+        peer.stale = True
+
+
+def _unmappable(peer: _Peer, segment: SegmentInfo) -> str:
+    """Why a same-node peer's segment cannot be mapped, and how to make it mappable."""
+    name = f" {segment.name!r}" if segment.name else ""
+    return (f"segment {segment.segment_id}{name} [{segment.base:#x}, "
+            f"+{segment.length}) of {peer.name} is not shared memory (a bytearray, numpy "
+            "array or other private memory of its process), so it cannot be mapped here; "
+            "allocate it with malloc_mem / Engine.malloc (or from an agent's pool) and "
+            "register ranges inside that to get the mapped path")
+
+
 def _check_op(op: Any) -> TransferOp:
     if op is TransferOp.WRITE or op is TransferOp.READ:
         return op
@@ -179,6 +197,23 @@ class _Peer:
     # the engine's traffic counters of each path to this peer, (read, write) by TransferOp
     fabric_traffic: tuple[Traffic, Traffic] | None = None
     socket_traffic: tuple[Traffic, Traffic] | None = None
+    no_fabric: str = ""  # why no segment of this peer can be mapped ("" when some can)
+    unmapped_told: set[int] = field(default_factory=set)  # segment ids logged as unmappable
+    stale: bool = False  # a segment of the cached (P2P) table was found deregistered
+
+
+class Route(str):
+    """The data path an op takes: "fabric", "unix" or "tcp" (compares as that string).
+
+    `reason` says why it is not the mapped path when it is not ("" on "fabric").
+    """
+
+    reason: str
+
+    def __new__(cls, path: str, reason: str = "") -> Route:
+        route = super().__new__(cls, path)
+        route.reason = reason
+        return route
 
 
 class TransferRequest:
@@ -249,7 +284,7 @@ class Engine:
         self._local: AddressTable[MemHandle] = AddressTable()
         self._local_hint: tuple[int, int, bool] = (0, 0, False)  # region the last transfer used
         self._handles: dict[tuple[int, int], MemHandle] = {}
-        self._malloced: dict[int, ShmSegment] = {}
+        self._malloced: AddressTable[ShmSegment] = AddressTable()  # by the range they span
         self._malloc_allowed: dict[int, tuple[str, ...]] = {}  # malloc(allowed_engines=)
         self._peers: dict[str, _Peer] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
@@ -322,7 +357,7 @@ class Engine:
             self._server.stop()
         if self._global is not None:
             self._global.close()
-        for segment in self._malloced.values():
+        for _, _, segment in self._malloced:
             with contextlib.suppress(BufferError):  # still viewed: freed with its last view
                 segment.close()
         self._malloced.clear()
@@ -347,22 +382,28 @@ class Engine:
         allowed = check_allowed_engines(allowed_engines)
         segment = ShmSegment(size, name=f"hixl-{os.getpid()}")
         with self._lock:
-            self._malloced[segment.addr] = segment
+            self._malloced.insert(segment.addr, segment.length, segment)
             if allowed:
                 self._malloc_allowed[segment.addr] = allowed
         return segment
 
     def free(self, addr: int | ShmSegment) -> None:
-        """Free memory from malloc(); refused while registered."""
+        """Free memory from malloc(); refused while any range inside it is registered."""
         key = addr.addr if isinstance(addr, ShmSegment) else addr
         with self._lock:
-            segment = self._malloced.get(key)
+            segment = self._malloced.get(key) if isinstance(key, int) else None
             if segment is None:
-                raise ParamInvalid(f"address {key:#x} was not allocated by malloc_mem/malloc")
-            hit = self._local.lookup(key)
-            if hit is not None and hit[2].registered:
-                raise ParamInvalid(f"memory at {key:#x} is still registered; deregister it first")
-            del self._malloced[key]
+                raise ParamInvalid(f"address {key!r} was not allocated by malloc_mem/malloc "
+                                   "(free takes the address malloc returned)")
+            inside = [(base, length) for base, length, _ in
+                      self._local.overlapping(segment.addr, segment.length)]
+            if inside:
+                ranges = ", ".join(f"[{base:#x}, +{length})" for base, length in inside[:4])
+                raise ParamInvalid(
+                    f"memory at {key:#x} still has {len(inside)} registered range(s) inside "
+                    f"it ({ranges}{', ...' if len(inside) > 4 else ''}); deregister them "
+                    "first")
+            self._malloced.remove(key)
             self._malloc_allowed.pop(key, None)
         try:
             segment.close()
@@ -389,21 +430,18 @@ class Engine:
             raise Unsupported("MEM_DEVICE registration needs an accelerator backend; "
                               "register host memory with MemType.MEM_HOST")
         perms = Perm.parse(perms) if isinstance(perms, str) else Perm(perms)
-        shm: ShmSegment | None = None
         if isinstance(memory, int) and not isinstance(memory, bool):
             if length is None:
                 raise ParamInvalid("register(addr, length): a raw address needs a length")
             check_range(memory, length, "local memory")
-            shm = self._malloced_containing(memory, length)
             buf = BufferRange(memory, length, False, None)
         else:
             buf = buffer_range(memory)
             if length is not None and length != buf.length:
                 raise ParamInvalid(f"length {length} does not match the buffer's {buf.length} bytes")
             check_range(buf.addr, buf.length, "local memory")
-            if isinstance(memory, ShmSegment):
-                shm = memory
         with self._lock:
+            shm = self._malloced_containing(buf.addr, buf.length)
             existing = self._handles.get((buf.addr, buf.length))
             if existing is not None:
                 return existing
@@ -425,11 +463,19 @@ class Engine:
             return handle
 
     def _malloced_containing(self, addr: int, length: int) -> ShmSegment | None:
-        """The malloc'd segment if (addr, length) is exactly one (so peers can map it)."""
-        segment = self._malloced.get(addr)
-        if segment is not None and length == segment.length:
-            return segment
-        return None
+        """The malloc'd allocation holding [addr, addr+length), so same-node peers can map
+        the range; None for other memory. A range that starts in one and runs past its
+        end is refused: it would be half mappable, and likely a caller's size mistake."""
+        hits = self._malloced.overlapping(addr, length)
+        if not hits:
+            return None
+        base, size, segment = hits[0]
+        if len(hits) > 1 or addr < base or addr + length > base + size:
+            raise OutOfRange(
+                f"range [{addr:#x}, +{length}) runs past its malloc_mem allocation "
+                f"[{base:#x}, +{size}) (by {max(base - addr, 0) + max(addr + length - base - size, 0)}"
+                " bytes); register ranges that lie inside one allocation")
+        return segment
 
     def deregister(self, handle: MemHandle) -> None:
         """Withdraw a registration; a second deregister of the same handle raises ParamInvalid."""
@@ -496,39 +542,50 @@ class Engine:
             for segment in info.segments:
                 table.insert(segment.base, segment.length, segment)
         fabric = None
-        fd_client = self._same_node_fd_client(remote, info, timeout)
+        fd_client, why_not = self._same_node_fd_client(remote, info, timeout)
         same_node = fd_client is not None
         if fd_client is not None and self.options.fabric_mem:
-            fabric = FabricTransport(remote, fd_client.fetch, fd_client.alive)
+            fabric = FabricTransport(remote, fd_client)
         elif fd_client is not None:
             fd_client.close()
             fd_client = None
+            why_not = (f"{OPTION_ENABLE_USE_FABRIC_MEM} is '0' for this engine; set it to "
+                       f"'1' to map {remote}'s shareable memory")
         socket_address = (f"unix://{info.data_unix}"
                           if same_node and info.data_unix and os.path.exists(info.data_unix)
                           else f"tcp://{info.data_tcp}")
         return _Peer(remote, info, client, table, info.epoch, fabric, fd_client, socket_address,
                      view=view, fabric_traffic=self.traffic.pair("fabric"),
-                     socket_traffic=self.traffic.pair(socket_address.partition("://")[0]))
+                     socket_traffic=self.traffic.pair(socket_address.partition("://")[0]),
+                     no_fabric=why_not)
 
-    def _same_node_fd_client(self, remote: str, info: Any, timeout: float) -> Any | None:
-        """The fd socket of `remote`'s agent when that agent runs on this node, else None.
+    def _same_node_fd_client(self, remote: str, info: Any, timeout: float
+                             ) -> tuple[Any | None, str]:
+        """(the fd socket of `remote`'s agent, "") when that agent runs on this node, else
+        (None, why not).
 
         The published socket paths exist here for *any* agent of this node with the same
         runtime dir and port -- every node runs its agent at /run/hixl/agent-50161.* -- so
         the agent answering at the path must say it is the one handshaken with (engine name
         and epoch); otherwise it is this node's own agent, and only TCP reaches `remote`.
+        A same-node peer whose fd socket cannot be used is a slow path the caller did not
+        ask for: logged as a warning when the mapped path is on.
         """
         from hixl.client.agent_client import FdClient
 
         local_node = self._server.agent.node_id if self._server is not None else None
-        if not info.fd_socket or not os.path.exists(info.fd_socket) or (
-                local_node is not None and local_node != info.node_id):
-            return None
+        if local_node is not None and local_node != info.node_id:
+            return None, f"{remote} is on node {info.node_id!r}, this engine on {local_node!r}"
+        if not info.fd_socket or not os.path.exists(info.fd_socket):
+            return None, (f"{remote} publishes no fd socket that exists here "
+                          f"({info.fd_socket or 'none'}): it is on another node")
         try:
             fd_client = FdClient(info.fd_socket, timeout=timeout, engine=self.name)
         except HixlError as exc:
-            log.info("same-node paths to %s unavailable (%s); using TCP", remote, exc)
-            return None
+            why = f"the fd socket of {remote} refused this engine: {exc}"
+            (log.warning if self.options.fabric_mem else log.info)(
+                "%s; its memory is reached through its socket, not mapped", why)
+            return None, why
         try:
             reply = fd_client.ping()
         except HixlError as exc:
@@ -537,8 +594,9 @@ class Engine:
             log.info("%s is another agent (%s), not %s epoch %s: %s is on another node; "
                      "using TCP", info.fd_socket, reply, info.engine, info.epoch, remote)
             fd_client.close()
-            return None
-        return fd_client
+            return None, (f"{info.fd_socket} here is another agent's: {remote} is on "
+                          "another node")
+        return fd_client, ""
 
     def _registry_view(self, remote: str, timeout: float) -> Any | None:
         """The registry's view of `remote` if it published its endpoints, else None (P2P).
@@ -706,15 +764,26 @@ class Engine:
         peer.table = table
         peer.hint = None
 
-    def route(self, remote: str, remote_addr: int) -> str:
-        """The data path an op on `remote_addr` of `remote` takes: "fabric", "unix" or "tcp"."""
+    def route(self, remote: str, remote_addr: int) -> Route:
+        """The data path an op on `remote_addr` of `remote` takes: "fabric", "unix" or
+        "tcp", with `.reason` saying why it is not "fabric" when it is not."""
         peer = self._peer(remote)
         if peer.view is not None:
             self._follow_view(peer)
         _, segment = peer.table.find(remote_addr, 1, "remote address")
         if peer.fabric is not None and segment.shareable:
-            return "fabric"
-        return peer.socket_address.partition("://")[0]
+            return Route("fabric")
+        path = peer.socket_address.partition("://")[0]
+        return Route(path, peer.no_fabric or _unmappable(peer, segment))
+
+    def _tell_unmapped(self, peer: _Peer, segment: SegmentInfo) -> None:
+        """Say once per (peer, segment) that ops on it take the socket path though the
+        mapped one is on: the caller asked for mapping and would not know otherwise."""
+        if segment.segment_id in peer.unmapped_told:
+            return
+        peer.unmapped_told.add(segment.segment_id)
+        log.warning("%s: transfers take the %s socket path, not the mapped one",
+                    _unmappable(peer, segment), peer.socket_address.partition("://")[0])
 
     def allocate(self, remote: str, size: int, perms: Perm | str = Perm.RW,
                  name: str = "", *, allowed_engines: Sequence[str] = (),
@@ -786,7 +855,7 @@ class Engine:
             try:
                 peer.fabric.transfer(op, fabric_items, deadline)  # type: ignore[union-attr]
             except Exception as exc:
-                peer.fabric_traffic[op].failed(exc)  # type: ignore[index]
+                _failed(peer, peer.fabric_traffic[op], exc)  # type: ignore[index]
                 raise
             if not socket_items:  # the usual call, one path: _account and Traffic.add, inlined
                 seconds = _monotonic() - start
@@ -801,7 +870,7 @@ class Engine:
             try:
                 self._socket(peer).transfer(op, socket_items, deadline)
             except Exception as exc:
-                peer.socket_traffic[op].failed(exc)  # type: ignore[index]
+                _failed(peer, peer.socket_traffic[op], exc)  # type: ignore[index]
                 raise
         _account(peer, op, fabric_items, socket_items, nbytes, start)
 
@@ -813,14 +882,14 @@ class Engine:
             try:
                 peer.fabric.transfer(op, fabric_items, deadline)
             except Exception as exc:
-                peer.fabric_traffic[op].failed(exc)
+                _failed(peer, peer.fabric_traffic[op], exc)
                 raise
         if socket_items:
             assert peer.socket_traffic is not None
             try:
                 self._socket(peer).transfer(op, socket_items, deadline)
             except Exception as exc:
-                peer.socket_traffic[op].failed(exc)
+                _failed(peer, peer.socket_traffic[op], exc)
                 raise
         _account(peer, op, fabric_items, socket_items, nbytes, start)
 
@@ -854,6 +923,9 @@ class Engine:
             raise ParamInvalid("op_descs must be a non-empty sequence of TransferOpDesc")
         if peer.view is not None:
             self._follow_view(peer)
+        elif peer.stale:
+            peer.stale = False
+            self._refresh(peer)  # a segment it held was deregistered: reload the table
         fabric_items: list[Item] = []
         socket_items: list[Item] = []
         writing = op is _WRITE
@@ -891,7 +963,13 @@ class Engine:
                 segment = self._remote_segment(peer, index, remote_addr, length, need,
                                                self.name)
                 r_base, r_end = segment.base, segment.end
-                items = fabric_items if peer.fabric is not None and segment.shareable else socket_items
+                if peer.fabric is None:
+                    items = socket_items
+                elif segment.shareable:
+                    items = fabric_items
+                else:
+                    items = socket_items
+                    self._tell_unmapped(peer, segment)
             items.append(Item(index, local_addr, segment, remote_addr, length))  # type: ignore[arg-type]
             nbytes += length
         if local_registered:

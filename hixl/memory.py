@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -166,16 +166,29 @@ def buffer_range(obj: Any) -> BufferRange:
     return BufferRange(view.ctypes.data, view.nbytes, not view.flags.writeable, (obj, view))
 
 
+class FdGrant(NamedTuple):
+    """What an owner hands a same-node peer to map one segment: an fd on the memory, the
+    segment's `length` and its `offset` in that file (a range registered inside a bigger
+    allocation starts past 0), and its liveness `slot` (hixl.segment_states; 0: none)."""
+
+    fd: int
+    length: int
+    offset: int = 0
+    slot: int = 0
+
+
 class Mapping:
     """A shared mapping of a segment fd into this process (MAP_SHARED | MAP_POPULATE).
 
     Read-only mappings are PROT_READ: a stray write faults instead of corrupting a peer.
+    `offset` (a multiple of mmap.ALLOCATIONGRANULARITY) maps from that file offset on.
     """
 
-    def __init__(self, fd: int, length: int, *, writable: bool) -> None:
+    def __init__(self, fd: int, length: int, *, writable: bool, offset: int = 0) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         try:
-            self._mmap = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot)
+            self._mmap = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=prot,
+                                   offset=offset)
         except OSError as exc:
             if exc.errno == errno.EACCES:
                 raise PermissionDenied(

@@ -150,6 +150,17 @@ class AddressTable(Generic[T]):
         self._last = hit
         return hit
 
+    def overlapping(self, addr: int, length: int) -> list[tuple[int, int, T]]:
+        """(base, length, value) of every range sharing a byte with [addr, addr+length)."""
+        end = addr + length
+        i = max(bisect.bisect_right(self._bases, addr) - 1, 0)
+        out = []
+        while i < len(self._bases) and self._bases[i] < end:
+            if self._ends[i] > addr:
+                out.append((self._bases[i], self._ends[i] - self._bases[i], self._values[i]))
+            i += 1
+        return out
+
     def find(self, addr: int, length: int, what: str = "address") -> tuple[int, T]:
         """(base, value) of the one range wholly containing [addr, addr+length).
 

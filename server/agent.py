@@ -27,12 +27,14 @@ from typing import Any
 from hixl import wire
 from hixl.errors import (
     HixlError,
+    OutOfRange,
     ParamInvalid,
     PermissionDenied,
     ResourceExhausted,
     StaleEpoch,
 )
-from hixl.memory import Mapping, ShmSegment, round_up
+from hixl.memory import FdGrant, Mapping, ShmSegment, round_up
+from hixl.segment_states import SegmentStates
 from hixl.table import AddressTable, check_range
 from hixl.types import MemType, Perm, SegmentInfo, check_allowed_engines
 
@@ -73,6 +75,8 @@ class _Entry:
     charged: int = 0                # bytes charged to pool_max_bytes
     export: Callable[[bool], int] | None = None   # writable -> new fd; None = not shareable
     owned: list[Any] = field(default_factory=list)  # Mapping / fd ints to release
+    offset: int = 0                 # where the segment starts in the exported file
+    slot: int = 0                   # its liveness word (hixl.segment_states); 0: none
 
 
 class Agent:
@@ -92,6 +96,8 @@ class Agent:
         self._charged = 0
         self._listeners: list[Listener] = []
         self._deferred: list[Mapping] = []  # mappings still viewed by an in-flight transfer
+        #: one liveness word per shareable segment, mapped read-only by same-node peers
+        self.states = SegmentStates()
         self._closed = False
         self._counters = {"allocations": 0, "registrations": 0, "deregistrations": 0,
                           "fds_exported": 0, "export_refusals": 0}
@@ -211,27 +217,30 @@ class Agent:
         """Serve caller memory [addr, addr+length) (the embedded shape).
 
         The caller keeps the memory valid until deregister; `keepalive` is held till then.
-        Shareable (peers may map it) only when it is the start of `shm`. Overlapping an
-        existing registration is refused.
+        Shareable (same-node peers map it) when it lies inside `shm`, at any offset: peers
+        then map just the pages holding the range. Overlapping an existing registration
+        is refused.
         """
         check_range(addr, length, "register_memory")
         perms = _check_perms(perms)
         allowed = check_allowed_engines(allowed_engines)
+        offset = 0
         if shm is not None:
             if shm.fd < 0:
                 raise ParamInvalid("register_memory: the shm segment is closed")
-            if addr != shm.addr or length > shm.length:
-                raise ParamInvalid(
-                    f"register_memory: [{addr:#x}, +{length}) must start at its shm segment "
-                    f"{shm.addr:#x} and fit in its {shm.length} bytes")
-            memory = shm.view()[:length]
+            offset = addr - shm.addr
+            if offset < 0 or offset + length > shm.length:
+                raise OutOfRange(
+                    f"register_memory: [{addr:#x}, +{length}) does not fit in its shared "
+                    f"allocation [{shm.addr:#x}, +{shm.length})")
+            memory = shm.view()[offset:offset + length]
             export: Callable[[bool], int] | None = lambda w: shm.export_fd(writable=w)  # noqa: E731
         else:
             memory = _memory_at(addr, length, keepalive)
             export = None
         return self._add(kind="memory", base=addr, length=length, perms=perms, name=name,
                          owner=owner, memory=memory, export=export, owned=[],
-                         charged=0, counter="registrations", allowed=allowed)
+                         charged=0, counter="registrations", allowed=allowed, offset=offset)
 
     def register_fd(self, fd: int, length: int, perms: Perm = Perm.RW, name: str = "",
                     owner: str = "", *, allowed_engines: Any = ()) -> SegmentInfo:
@@ -276,6 +285,8 @@ class Agent:
             if entry is None:
                 raise ParamInvalid(
                     f"segment {segment_id} is not registered (already deregistered?)")
+            if entry.slot:
+                self.states.release(entry.slot)  # mapped peers see it gone from now on
             del self._served[segment_id]
             del self._entries[segment_id]
             self._table.remove(entry.info.base)
@@ -288,7 +299,12 @@ class Agent:
         return info
 
     def export_fd(self, segment_id: int, epoch: int, writable: bool, engine: str = "") -> int:
-        """A new fd for a same-node peer (engine `engine`) to map; the caller closes it.
+        """A new fd for a same-node peer (engine `engine`) to map; the caller closes it."""
+        return self.grant(segment_id, epoch, writable, engine).fd
+
+    def grant(self, segment_id: int, epoch: int, writable: bool, engine: str = "") -> FdGrant:
+        """What a same-node peer (engine `engine`) needs to map a segment: a new fd (the
+        caller closes it), the segment's offset in that file and its liveness slot.
 
         Read-only segments only ever give O_RDONLY fds, so a peer's PROT_WRITE map fails;
         a segment with an allow-list gives fds only to the engines it names.
@@ -322,7 +338,7 @@ class Agent:
         except OSError as exc:
             raise HixlError(f"segment {segment_id}: cannot open a new fd: {exc}") from None
         self._count("fds_exported")
-        return fd
+        return FdGrant(fd, entry.info.length, entry.offset, entry.slot)
 
     def close(self) -> None:
         """Release every segment; later mutations raise."""
@@ -336,6 +352,7 @@ class Agent:
             self._table.clear()
             self._listeners.clear()
             self._charged = 0
+            self.states.close()  # every mapped peer sees every segment gone
         owned = [item for entry in entries for item in entry.owned]
         del entries
         self._release_all(owned)
@@ -345,11 +362,17 @@ class Agent:
 
     def _add(self, *, kind: str, base: int, length: int, perms: Perm, name: str, owner: str,
              memory: memoryview, export: Callable[[bool], int] | None, owned: list[Any],
-             charged: int, counter: str, allowed: tuple[str, ...] = ()) -> SegmentInfo:
+             charged: int, counter: str, allowed: tuple[str, ...] = (),
+             offset: int = 0) -> SegmentInfo:
         with self._lock:
             self._check_open()
             segment_id = next(self._ids)
             self._table.insert(base, length, segment_id)  # refuses overlaps
+            try:
+                slot = self.states.claim(segment_id) if export is not None else 0
+            except BaseException:
+                self._table.remove(base)
+                raise
             info = SegmentInfo(
                 segment_id=segment_id, engine=self.engine_name, node_id=self.node_id,
                 base=base, length=length, mem_type=MemType.MEM_HOST, perms=perms,
@@ -357,7 +380,8 @@ class Agent:
                 allowed_engines=allowed)
             served = wire.ServedSegment(segment_id, self.epoch, base, length, perms, memory,
                                         frozenset(allowed) if allowed else None)
-            self._entries[segment_id] = _Entry(info, served, kind, owner, charged, export, owned)
+            self._entries[segment_id] = _Entry(info, served, kind, owner, charged, export, owned,
+                                               offset, slot)
             self._served[segment_id] = served
             self._counters[counter] += 1
             self._notify(ADDED, [info])

@@ -2,12 +2,17 @@
 
 A unix SOCK_SEQPACKET socket (message boundaries kept, fds carried by SCM_RIGHTS). Each
 request is one small JSON message; each reply is one JSON message, with an fd attached
-for a successful "get_fd":
+for a successful "get_fd" or "get_states":
 
     {"op": "get_fd", "segment_id": N, "epoch": E, "write": bool, "engine": "host:port"}
-                                                                  -> {"ok": true, "length": L} + fd
-    {"op": "deposit", "length": L} + fd                           -> {"ok": true, "ticket": "..."}
-    {"op": "ping"}                                                -> {"ok": true, "epoch": E}
+                                 -> {"ok": true, "length": L, "offset": O, "slot": S} + fd
+    {"op": "get_states"}         -> {"ok": true, "capacity": C} + fd (read-only)
+    {"op": "deposit", "length": L} + fd  -> {"ok": true, "ticket": "..."}
+    {"op": "ping"}               -> {"ok": true, "epoch": E, "engine": "host:port"}
+
+A segment registered inside a bigger shared allocation is granted the allocation's fd
+with the range's `offset` in it; `slot` is its liveness word in the get_states file
+(hixl.segment_states), which peers read around every mapped copy.
     failure -> {"ok": false, "status": <HIXL code>, "error": "...", "kind": "<HixlError class>"}
 
 Peers are checked by SO_PEERCRED uid against `allowed_uids`; a get_fd's "engine" names
@@ -312,13 +317,13 @@ class FdServer:
             if not isinstance(engine, str):
                 raise ParamInvalid(f"get_fd: 'engine' must be an engine name, got {engine!r}")
             # checks the epoch first, then the allow-list and permissions
-            fd = self._agent.export_fd(segment_id, epoch, write, engine)
-            try:
-                length = self._agent.segment(segment_id).length
-            except BaseException:
-                os.close(fd)  # deregistered in between
-                raise
-            return {"ok": True, "length": length}, fd
+            grant = self._agent.grant(segment_id, epoch, write, engine)
+            return {"ok": True, "length": grant.length, "offset": grant.offset,
+                    "slot": grant.slot}, grant.fd
+        if op == "get_states":
+            _no_fds(fds, op)
+            states = self._agent.states
+            return {"ok": True, "capacity": states.capacity}, states.export_fd()
         if op == "deposit":
             if len(fds) != 1:
                 raise ParamInvalid(f"deposit needs exactly one fd attached, got {len(fds)}")
@@ -335,7 +340,7 @@ class FdServer:
             fds.clear()  # the ticket book owns it now
             self.counters["fd_deposits"] += 1
             return {"ok": True, "ticket": ticket}, None
-        raise ParamInvalid(f"unknown op {op!r}; use get_fd, deposit or ping")
+        raise ParamInvalid(f"unknown op {op!r}; use get_fd, get_states, deposit or ping")
 
     def _reply(self, conn: _Conn, reply: dict[str, object], fd: int | None) -> None:
         payload = json.dumps(reply).encode()

@@ -267,7 +267,7 @@ def test_fd_socket_hands_the_fd_only_to_listed_engines(acl_agent: AgentProcess) 
     with Engine("127.0.0.1") as local:
         src, src_addr = _fill(local, 8192, seed=4)
         with FdClient(path, engine=OTHER) as fdc:
-            fabric = FabricTransport(agent.engine, fdc.fetch, fdc.alive)
+            fabric = FabricTransport(agent.engine, fdc)
             items = [Item(0, src_addr, open_, open_.base, 4096),
                      Item(1, src_addr + 4096, acl, acl.base, 4096)]
             with pytest.raises(PermissionDenied, match=f"may not map segment {acl.segment_id}") \

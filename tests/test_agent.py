@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from hixl.errors import ParamInvalid, PermissionDenied, ResourceExhausted, StaleEpoch
+from hixl.errors import OutOfRange, ParamInvalid, PermissionDenied, ResourceExhausted, StaleEpoch
 from hixl.memory import PAGE_SIZE, Mapping, ShmSegment
 from hixl.server.agent import ADDED, REMOVED, Agent
 from hixl.types import MemType, Perm, SegmentInfo
@@ -126,9 +126,24 @@ def test_register_memory_with_shm_is_shareable(agent: Agent) -> None:
         peer.view()[8191] = 0x5A
         assert shm.view()[8191] == 0x5A
         peer.close()
-        with pytest.raises(ParamInvalid, match="must start at"):
+        with pytest.raises(ParamInvalid, match="overlaps the registered range"):
             agent.register_memory(shm.addr + 4096, 4096, shm=shm)
         agent.deregister(info.segment_id)
+        with pytest.raises(OutOfRange, match="does not fit in its shared allocation"):
+            agent.register_memory(shm.addr + 4096, 8192, shm=shm)
+        # a range inside the allocation: granted the allocation's fd and its offset in it
+        inner = agent.register_memory(shm.addr + 4096 + 100, 200, Perm.READ, shm=shm)
+        assert inner.shareable
+        grant = agent.grant(inner.segment_id, 77, False)
+        try:
+            assert (grant.length, grant.offset) == (200, 4196) and grant.slot > 0
+            peer = Mapping(grant.fd, 4096, writable=False, offset=4096)
+        finally:
+            os.close(grant.fd)
+        shm.view()[4196:4199] = b"sub"
+        assert bytes(peer.view()[100:103]) == b"sub"
+        peer.close()
+        agent.deregister(inner.segment_id)
     finally:
         shm.close()
 

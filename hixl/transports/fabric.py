@@ -1,86 +1,140 @@
 """The fabric path: map a peer's shareable segments once, then memmove — no RPC per op.
 
 The initiator receives each segment's fd from the owner agent (SCM_RIGHTS over its unix
-socket), maps it MAP_SHARED|MAP_POPULATE — PROT_READ when the segment is read-only, so the
-kernel refuses stray writes — and keeps the mapping until disconnect. A transfer is then
-one memmove per op. After the copies it checks, for ~1 µs, that the owner agent is still
-alive: a write into memory whose owner died is reported FAILED, not silently lost.
+socket) with the segment's offset in that file: a range registered inside a bigger
+`malloc_mem` allocation shares the allocation's memfd, and only the pages holding the
+range are mapped (MAP_SHARED|MAP_POPULATE; PROT_READ when the segment is read-only, so
+the kernel refuses stray writes). Every op was checked against the segment's own range
+before it got here, so the bytes of a partial first or last page that lie outside the
+range are mapped but never touched.
+
+A transfer is one memmove per op. Around the copies it reads each segment's liveness
+word (hixl.segment_states): a segment its owner deregistered, before or during the copy,
+fails the transfer with ParamInvalid instead of taking bytes into withdrawn memory. After
+the copies it checks, for ~1 µs, that the owner agent is still alive: a write into memory
+whose owner died is reported FAILED, not silently lost.
+
+Mappings are never unmapped under a running copy: each transfer holds the mappings it
+uses, and `close` (disconnect) or a remap (new epoch) only drops this transport's
+references; the kernel mapping goes with the last one, when the last copy using it ends.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-from hixl.errors import HixlError, NotConnected, PeerUnavailable, TransferTimeout
-from hixl.memory import PARALLEL_COPY_MIN, Mapping, copy_moves
+from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, TransferTimeout
+from hixl.memory import PARALLEL_COPY_MIN, FdGrant, Mapping, copy_moves
+from hixl.segment_states import StateView
 from hixl.transports.base import Item, Transport
 from hixl.types import Perm, SegmentInfo, TransferOp
 
-FetchFd = Callable[[int, int, bool], tuple[int, int]]  # (segment_id, epoch, writable) -> (fd, len)
-
 _memmove = ctypes.memmove
 _WRITE = TransferOp.WRITE  # a module constant: `TransferOp.WRITE` is a class lookup per call
+_GRANULE = mmap.ALLOCATIONGRANULARITY
+
+
+class _Mapped(NamedTuple):
+    """One mapped segment: owner address + `delta` = local address."""
+
+    segment: SegmentInfo
+    delta: int
+    slot: int
+    mapping: Mapping
 
 
 class FabricTransport(Transport):
-    """Direct load/store into a same-domain peer's segments through shared mappings."""
+    """Direct load/store into a same-domain peer's segments through shared mappings.
+
+    `fd_client` is the owner agent's fd socket (hixl.client.agent_client.FdClient):
+    `grant` (an fd to map), `states` (the liveness words) and `alive` (hang-up check).
+    """
 
     name = "fabric"
 
-    def __init__(self, peer: str, fetch_fd: FetchFd, alive: Callable[[], bool]) -> None:
+    def __init__(self, peer: str, fd_client: Any) -> None:
         self._peer = peer
-        self._fetch_fd = fetch_fd
-        self._alive = alive
-        self._mappings: dict[int, tuple[int, int, Mapping]] = {}  # segment id -> (epoch, delta, map)
+        self._fd_client = fd_client
+        self._mappings: dict[int, _Mapped] = {}  # segment id -> its mapping
+        self._states: StateView | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._last: tuple[SegmentInfo | None, int] = (None, 0)
 
-    def mapping_delta(self, segment: SegmentInfo) -> int:
-        """Offset to add to an owner address of `segment` to get the local mapped address.
-
-        Maps the segment on first use (one fd fetch, one mmap); later calls are a dict hit.
-        """
+    def mapped(self, segment: SegmentInfo) -> _Mapped:
+        """The mapping of `segment`, made on first use (one fd fetch, one mmap of the
+        pages holding it); later calls are a dict hit. Raises ParamInvalid if its owner
+        has deregistered it."""
         hit = self._mappings.get(segment.segment_id)
-        if hit is not None and hit[0] == segment.epoch:
-            return hit[1]
+        if hit is None or hit.segment.epoch != segment.epoch:
+            hit = self._map(segment)
+        if not self._states.holds(hit.slot, segment.segment_id):  # type: ignore[union-attr]
+            self._forget(hit)
+            raise self._gone(segment, "before")
+        return hit
+
+    def _forget(self, hit: _Mapped) -> None:
+        """Drop a withdrawn segment's mapping (unmapped once no copy holds it)."""
+        with self._lock:
+            if self._mappings.get(hit.segment.segment_id) is hit:
+                del self._mappings[hit.segment.segment_id]
+
+    def _map(self, segment: SegmentInfo) -> _Mapped:
         with self._lock:
             if self._closed:
                 raise NotConnected(f"fabric path to {self._peer} is closed")
             hit = self._mappings.get(segment.segment_id)
-            if hit is not None and hit[0] == segment.epoch:
-                return hit[1]
+            if hit is not None and hit.segment.epoch == segment.epoch:
+                return hit
+            if self._states is None:
+                self._states = self._fd_client.states()
             writable = bool(segment.perms & Perm.WRITE)
-            fd, length = self._fetch_fd(segment.segment_id, segment.epoch, writable)
+            grant: FdGrant = self._fd_client.grant(segment.segment_id, segment.epoch, writable)
             try:
-                mapping = Mapping(fd, min(length, segment.length), writable=writable)
+                if grant.length < segment.length or not 0 < grant.slot < self._states.capacity:
+                    raise PeerUnavailable(
+                        f"{self._peer} granted segment {segment.segment_id} as {grant}, which "
+                        f"does not cover its {segment.length} bytes with a liveness slot")
+                start = grant.offset - grant.offset % _GRANULE  # mmap offsets are page-aligned
+                mapping = Mapping(grant.fd, grant.offset - start + segment.length,
+                                  writable=writable, offset=start)
             finally:
-                os.close(fd)
-            if hit is not None:
-                hit[2].close()
-            delta = mapping.addr - segment.base
-            self._mappings[segment.segment_id] = (segment.epoch, delta, mapping)
-            return delta
+                os.close(grant.fd)
+            # a remap (new epoch) only drops the old mapping: a copy still using it keeps it
+            hit = _Mapped(segment, mapping.addr + grant.offset - start - segment.base,
+                          grant.slot, mapping)
+            self._mappings[segment.segment_id] = hit
+            return hit
+
+    def _gone(self, segment: SegmentInfo, when: str) -> ParamInvalid:
+        return ParamInvalid(
+            f"segment {segment.segment_id} [{segment.base:#x}, +{segment.length}) of "
+            f"{self._peer} was deregistered by its owner {when} this transfer; it is not "
+            "served there any more (register it again, then look it up anew)")
 
     def transfer(self, op: TransferOp, items: Sequence[Item], deadline: float) -> None:
         if self._closed:
             raise NotConnected(f"fabric path to {self._peer} is closed")
         writing = op is _WRITE
-        segment, delta = self._last  # the segment the previous call ended in, and its delta
         if len(items) <= 64 and sum(item.length for item in items) >= PARALLEL_COPY_MIN:
             self._copy_large(writing, items)  # a few large ops: copied on several threads
             return
+        segment: SegmentInfo | None = None
+        delta = 0
+        used: dict[int, _Mapped] = {}  # held until the copies are checked: never unmapped under us
         done = 0
         try:
             for item in items:
                 if item.segment is not segment:
                     segment = item.segment
-                    delta = self.mapping_delta(segment)
-                    self._last = (segment, delta)
+                    hit = used.get(segment.segment_id) or self.mapped(segment)
+                    used[segment.segment_id] = hit
+                    delta = hit.delta
                 if writing:
                     _memmove(item.remote_addr + delta, item.local_addr, item.length)
                 else:
@@ -92,37 +146,45 @@ class FabricTransport(Transport):
             if not exc.failed:
                 exc.failed = [it.index for it in items[done:]]
             raise
-        self._check_alive(items)
+        self._check_after(used, items)
 
     def _copy_large(self, writing: bool, items: Sequence[Item]) -> None:
         """A few ops of many bytes in all: one parallel copy (hixl.memory.copy_moves), then
-        the owner liveness check. The copy is bounded memory work, so the deadline is not
+        the liveness checks. The copy is bounded memory work, so the deadline is not
         polled inside it."""
         moves = []
+        used: dict[int, _Mapped] = {}
         try:
             for item in items:
-                delta = self.mapping_delta(item.segment)
-                remote = item.remote_addr + delta
+                hit = used.get(item.segment.segment_id) or self.mapped(item.segment)
+                used[item.segment.segment_id] = hit
+                remote = item.remote_addr + hit.delta
                 moves.append((remote, item.local_addr, item.length) if writing
                              else (item.local_addr, remote, item.length))
         except HixlError as exc:
             if not exc.failed:
                 exc.failed = [it.index for it in items]
             raise
-        self._last = (items[-1].segment, delta)
         copy_moves(moves)
-        self._check_alive(items)
+        self._check_after(used, items)
 
-    def _check_alive(self, items: Sequence[Item]) -> None:
-        if not self._alive():
+    def _check_after(self, used: dict[int, _Mapped], items: Sequence[Item]) -> None:
+        """After the copies: each segment still served (so the copy finished before any
+        deregistration), and its owner alive."""
+        states = self._states
+        for hit in used.values():
+            if not states.holds(hit.slot, hit.segment.segment_id):  # type: ignore[union-attr]
+                self._forget(hit)
+                error = self._gone(hit.segment, "during")
+                error.failed = [it.index for it in items]
+                raise error
+        if not self._fd_client.alive():
             raise PeerUnavailable(
                 f"the agent owning {self._peer}'s segments died during the transfer; "
                 "the bytes did not reach a live segment", failed=[it.index for it in items])
 
     def close(self) -> None:
+        """Later transfers raise NotConnected; mappings go when no copy uses them."""
         with self._lock:
             self._closed = True
-            self._last = (None, 0)
-            mappings, self._mappings = self._mappings, {}
-        for _, _, mapping in mappings.values():
-            mapping.close()
+            self._mappings = {}
