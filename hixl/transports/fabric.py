@@ -179,6 +179,11 @@ class FabricTransport(Transport):
                 error.failed = [it.index for it in items]
                 raise error
         if not self._fd_client.alive():
+            if self._closed:  # our own disconnect closed the fd socket (after setting this)
+                raise NotConnected(
+                    f"disconnected from {self._peer} during the transfer; whether every "
+                    "byte landed is unknown: retry it once connected again",
+                    failed=[it.index for it in items])
             raise PeerUnavailable(
                 f"the agent owning {self._peer}'s segments died during the transfer; "
                 "the bytes did not reach a live segment", failed=[it.index for it in items])
