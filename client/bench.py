@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import platform
 import queue
@@ -53,6 +54,13 @@ MIB = 1024 * KIB
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 8784 * KIB, 64 * MIB)
 HIXL_BLOCK = 8784 * KIB  # HIXL's published benchmark block (one layer of KV cache)
 PATHS = ("fabric", "socket")
+# Where the remote bytes live: "whole", a segment an agent allocated, served whole; or
+# "ranges", HIXL's layout: one malloc_mem pool in a target engine, the blocks registered
+# as ranges inside it (the first RANGE_OFFSET bytes in, as KV caches are laid out).
+LAYOUTS = ("whole", "ranges")
+RANGE_OFFSET = 1 * 1024 * 1024
+RANGE_READY = "HIXL-RANGE-TARGET"
+HIXL_STYLE_BLOCKS = 4  # ranges of the HIXL-style run (transfers cycle through them)
 PATH_OPTION = {"fabric": "1", "socket": "0"}  # OPTION_ENABLE_USE_FABRIC_MEM per path
 OPS = {"write": TransferOp.WRITE, "read": TransferOp.READ}
 MODES = ("sync", "async")
@@ -88,6 +96,7 @@ class BenchConfig:
 
     agent: str | None = None  # "host:port" of a running agent; None starts one
     paths: tuple[str, ...] = PATHS
+    layouts: tuple[str, ...] = LAYOUTS
     ops: tuple[str, ...] = tuple(OPS)
     modes: tuple[str, ...] = MODES
     sizes: tuple[int, ...] = DEFAULT_SIZES
@@ -210,14 +219,16 @@ def time_async(submit: Callable[[], Any], config: BenchConfig, min_calls: int = 
 
 class _OutputPump:
     """Drains a child's merged stdout/stderr (so it never blocks), keeps the tail, and
-    catches hixl-agent's ready line: "hixl-agent serving engine=HOST:PORT ..."."""
+    catches its ready line (hixl-agent's: "hixl-agent serving engine=HOST:PORT ...")."""
 
     READY_PREFIX = "hixl-agent serving "
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str], ready_prefix: str = READY_PREFIX) -> None:
         self.lines: deque[str] = deque(maxlen=40)
         self.engine_name: str | None = None
+        self.ready_line: str | None = None
         self.ready = threading.Event()
+        self._prefix = ready_prefix
         self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True,
                                         name="hixl-bench-pump")
         self._thread.start()
@@ -225,9 +236,10 @@ class _OutputPump:
     def _run(self, stream: IO[str]) -> None:
         for line in stream:
             self.lines.append(line.rstrip())
-            if line.startswith(self.READY_PREFIX) and not self.ready.is_set():
+            if line.startswith(self._prefix) and not self.ready.is_set():
                 fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
                 self.engine_name = fields.get("engine")
+                self.ready_line = line.strip()
                 self.ready.set()
         self.ready.set()  # EOF: the agent exited; wait_ready reports it
 
@@ -460,6 +472,72 @@ class RawStreamClient:
         self.sock.close()
 
 
+# ---------------------------------------------------------------- the range target
+
+
+@dataclass(frozen=True)
+class Target:
+    """Remote bytes a cell moves: the engine serving them and where the call area starts;
+    `blocks`: the HIXL-style run's blocks (each its own registration)."""
+
+    layout: str
+    engine: str
+    base: int
+    blocks: tuple[int, ...] = ()
+
+
+def range_target_main(argv: Sequence[str] | None = None) -> int:
+    """HIXL's layout, served by an engine in its own process until its stdin closes: one
+    malloc_mem pool; the call area registered as one range RANGE_OFFSET bytes into it,
+    then `--blocks` blocks of `--block` bytes, each registered as a range of its own."""
+    from hixl.client.engine import Engine
+
+    parser = argparse.ArgumentParser(prog="hixl-bench-range-target")
+    parser.add_argument("--range-target", action="store_true", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--call-bytes", type=int, required=True)
+    parser.add_argument("--block", type=int, required=True)
+    parser.add_argument("--blocks", type=int, default=HIXL_STYLE_BLOCKS)
+    args = parser.parse_args(argv)
+    with socket.socket() as probe:
+        probe.bind((args.host, 0))
+        port = probe.getsockname()[1]
+    with Engine(f"{args.host}:{port}", {"EnableUseFabricMem": "1"}) as engine:
+        pool = engine.malloc(RANGE_OFFSET + args.call_bytes + args.blocks * args.block)
+        call_base = pool.addr + RANGE_OFFSET
+        engine.register(call_base, args.call_bytes)
+        blocks = [call_base + args.call_bytes + i * args.block for i in range(args.blocks)]
+        for block in blocks:
+            engine.register(block, args.block)
+        print(RANGE_READY, json.dumps({"engine": engine.name, "base": call_base,
+                                       "blocks": blocks}), flush=True)
+        sys.stdin.read()
+    return 0
+
+
+class RangeTarget:
+    """The range target process (range_target_main), stopped by stop()."""
+
+    def __init__(self, host: str, call_bytes: int, block: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hixl.client.bench", "--range-target", "--host", host,
+             "--call-bytes", str(call_bytes), "--block", str(block)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        assert self.proc.stdout is not None
+        self.output = _OutputPump(self.proc.stdout, RANGE_READY)
+
+    def wait_ready(self, timeout: float = AGENT_START_TIMEOUT_S) -> Target:
+        if not self.output.ready.wait(timeout) or self.output.ready_line is None:
+            stop_child(self.proc)
+            raise BenchFailure(f"the range target did not start:\n{self.output.tail()}")
+        hello = json.loads(self.output.ready_line.split(" ", 1)[1])
+        return Target("ranges", hello["engine"], hello["base"], tuple(hello["blocks"]))
+
+    def stop(self) -> None:
+        stop_child(self.proc)
+
+
 # ---------------------------------------------------------------- engine side
 
 
@@ -629,6 +707,7 @@ class Bench(BenchRun):
         segment = self.sides["fabric"].engine.allocate(self.agent, self.call_bytes, "rw",
                                                        "hixl-bench")
         self.remote_base = segment.base
+        self.targets = {"whole": Target("whole", self.agent, segment.base)}
         # a long-running agent (--agent) gets its pool back when the run ends
         self._stack.callback(self._release_segment, self.sides["fabric"].engine, segment)
         for side in self.sides.values():
@@ -644,11 +723,33 @@ class Bench(BenchRun):
         if not self.paths:
             raise BenchFailure(f"the fabric path needs the agent on this node; {self.agent} is "
                                f"reached over {self.sides['fabric'].route}: use --paths socket")
+        self.layout_note = ""
+        if "ranges" in config.layouts:
+            self._open_ranges()
+        self.layouts = tuple(layout for layout in config.layouts if layout in self.targets)
+        if not self.layouts:
+            raise BenchFailure(f"no layout to measure: {self.layout_note}")
         self._open_raw()
         self.mooncake = self._open_mooncake()
         if "fabric" in self.paths and config.matrix:
             self.shm = ShmSegment(self.call_bytes, name="hixl-bench")
             self._stack.callback(self.shm.close)
+
+    def _open_ranges(self) -> None:
+        """HIXL's layout: a target engine on this node with a malloc_mem pool and ranges
+        registered inside it (RangeTarget). Across nodes it would have to run on the
+        agent's host; it is left out there, and the report says so."""
+        if self.across_nodes:
+            self.layout_note = ("the ranges layout runs its target engine on this node, and "
+                                f"the agent {self.agent} is on another: measured whole only")
+            return
+        self._note("starting the range target")
+        process = RangeTarget(self.local, self.call_bytes, self.config.hixl_block)
+        self._stack.callback(process.stop)
+        target = process.wait_ready()
+        for side in self.sides.values():
+            self._connect(side.engine, target.engine)
+        self.targets["ranges"] = target
 
     def _release_segment(self, engine: Any, segment: Any) -> None:
         try:
@@ -716,12 +817,12 @@ class Bench(BenchRun):
                     protocol=mc.PROTOCOL, metadata=mc.METADATA)
         return initiator
 
-    def _connect(self, engine: Any) -> None:
+    def _connect(self, engine: Any, remote: str | None = None) -> None:
         """Connect, retrying briefly: a just-started agent may accept before it serves."""
         deadline = time.monotonic() + AGENT_START_TIMEOUT_S
         while True:
             try:
-                engine.connect(self.agent, timeout=5.0)
+                engine.connect(remote or self.agent, timeout=5.0)
                 return
             except HixlError:
                 if time.monotonic() > deadline:
@@ -750,9 +851,9 @@ class Bench(BenchRun):
         socket_baselines = len(self.raw.kinds) + (self.mooncake is not None)
         per_grid = ((2 + len(config.ops) if "fabric" in self.paths else 0)
                     + (socket_baselines * len(config.ops) if "socket" in self.paths else 0)
-                    + len(self.paths) * len(config.ops) * len(config.modes))
+                    + len(self.layouts) * len(self.paths) * len(config.ops) * len(config.modes))
         self.progress.start((len(grid) * per_grid if config.matrix else 0) + (
-            len(self.paths) * len(config.ops) if config.hixl_style else 0))
+            len(self.layouts) * len(self.paths) * len(config.ops) if config.hixl_style else 0))
         if config.matrix:
             for block, batch in grid:
                 self._run_grid_point(block, batch)
@@ -767,6 +868,9 @@ class Bench(BenchRun):
             "local": self.local,
             "across_nodes": self.across_nodes,
             "paths": {path: {"route": self.sides[path].route} for path in self.paths},
+            "layouts": {layout: {"engine": self.targets[layout].engine}
+                        for layout in self.layouts},
+            "layout_note": self.layout_note,
             "socket_baseline": f"raw-{self.socket_kind}",
             "raw_peer": "{}:{}".format(*self.raw.tcp),
             "mooncake": self.mooncake_info,
@@ -805,8 +909,10 @@ class Bench(BenchRun):
         for path in self.paths:
             for op in config.ops:
                 for mode in config.modes:
-                    self._advance(f"{path} {op} {mode} {label}")
-                    cells.append(self._engine_cell(path, op, mode, block, batch))
+                    for layout in self.layouts:
+                        self._advance(f"{path} {op} {mode} {layout} {label}")
+                        cells.append(self._engine_cell(path, op, mode, block, batch,
+                                                       self.targets[layout]))
         if fabric:
             self._advance(f"memcpy again {label}")
             memcpy_runs.append(self._memcpy_summary(block, batch))
@@ -882,17 +988,19 @@ class Bench(BenchRun):
                              "op": op, "mode": "sync", "block": block, "batch": batch,
                              **timing.summary(block * batch, batch)})
 
-    def _descs(self, side: Side, block: int, batch: int) -> list[TransferOpDesc]:
-        return [TransferOpDesc(side.local_addr + i * block, self.remote_base + i * block, block)
+    @staticmethod
+    def _descs(side: Side, target: Target, block: int, batch: int) -> list[TransferOpDesc]:
+        return [TransferOpDesc(side.local_addr + i * block, target.base + i * block, block)
                 for i in range(batch)]
 
-    def _engine_cell(self, path: str, op: str, mode: str, block: int, batch: int) -> dict[str, Any]:
+    def _engine_cell(self, path: str, op: str, mode: str, block: int, batch: int,
+                     target: Target) -> dict[str, Any]:
         side = self.sides[path]
-        engine, agent, timeout = side.engine, self.agent, self.config.timeout
+        engine, agent, timeout = side.engine, target.engine, self.config.timeout
         transfer_op = OPS[op]
-        descs = self._descs(side, block, batch)
+        descs = self._descs(side, target, block, batch)
         windows = sample_windows(block, batch)
-        expected = self._prepare(side, transfer_op, windows)
+        expected = self._prepare(side, target, transfer_op, windows)
         try:
             if mode == "sync":
                 timing = time_sync(lambda: engine.transfer(agent, transfer_op, descs, timeout),
@@ -903,31 +1011,41 @@ class Bench(BenchRun):
         except HixlError as exc:
             raise BenchFailure(f"{path} {op} {mode} {human_size(block)} x{batch}: "
                                f"transfer failed: {exc}") from exc
-        self._check(side, transfer_op, windows, expected, f"{path} {op} {mode} "
-                    f"{human_size(block)} x{batch}")
+        self._check(side, target, transfer_op, windows, expected, f"{path} {op} {mode} "
+                    f"{target.layout} {human_size(block)} x{batch}")
         return self._record({"kind": "engine", "path": path, "op": op, "mode": mode,
+                             "layout": target.layout, "route": self._route(side, target),
                              "block": block, "batch": batch,
                              **timing.summary(block * batch, batch), "verified": True})
+
+    @staticmethod
+    def _route(side: Side, target: Target, addr: int | None = None) -> str:
+        """The path the cell's transfers took ("fabric", "unix", "tcp"), and why not the
+        mapped one when the engine says why."""
+        route = side.engine.route(target.engine, target.base if addr is None else addr)
+        return f"{route} ({route.reason})" if getattr(route, "reason", "") and \
+            side.path == "fabric" else str(route)
 
     # ---- correctness: every cell's bytes are checked through the other engine
 
     def _other(self, side: Side) -> Side:
         return self.sides["socket" if side.path == "fabric" else "fabric"]
 
-    def _prepare(self, side: Side, op: TransferOp, windows: list[tuple[int, int]]) -> list[np.ndarray]:
+    def _prepare(self, side: Side, target: Target, op: TransferOp,
+                 windows: list[tuple[int, int]]) -> list[np.ndarray]:
         """Fresh random bytes in the source windows (remote ones written via the other path)."""
         expected = [self.rng.integers(0, 256, size=n, dtype=np.uint8) for _, n in windows]
         if op == TransferOp.WRITE:
             for (offset, n), data in zip(windows, expected, strict=True):
                 side.local[offset:offset + n] = data
         else:
-            self._through_other(side, TransferOp.WRITE, windows, expected)
+            self._through_other(side, target, TransferOp.WRITE, windows, expected)
         return expected
 
-    def _check(self, side: Side, op: TransferOp, windows: list[tuple[int, int]],
-               expected: list[np.ndarray], label: str) -> None:
+    def _check(self, side: Side, target: Target, op: TransferOp,
+               windows: list[tuple[int, int]], expected: list[np.ndarray], label: str) -> None:
         if op == TransferOp.WRITE:
-            got = self._through_other(side, TransferOp.READ, windows, None)
+            got = self._through_other(side, target, TransferOp.READ, windows, None)
         else:
             got = [side.local[offset:offset + n] for offset, n in windows]
         for (offset, n), want, have in zip(windows, expected, got, strict=True):
@@ -937,7 +1055,8 @@ class Bench(BenchRun):
                     f"{label}: WRONG BYTES at call offset {offset + bad} (window "
                     f"[{offset}, +{n})): expected {int(want[bad])}, found {int(have[bad])}")
 
-    def _through_other(self, side: Side, op: TransferOp, windows: list[tuple[int, int]],
+    def _through_other(self, side: Side, target: Target, op: TransferOp,
+                       windows: list[tuple[int, int]],
                        data: list[np.ndarray] | None) -> list[np.ndarray]:
         """WRITE `data` into, or READ back, the remote windows using the other engine."""
         other = self._other(side)
@@ -947,13 +1066,13 @@ class Bench(BenchRun):
         for offset, n in windows:
             slots.append(other.verify[cursor:cursor + n])
             descs.append(TransferOpDesc(int(other.verify.ctypes.data) + cursor,
-                                        self.remote_base + offset, n))
+                                        target.base + offset, n))
             cursor += n
         if data is not None:
             for slot, chunk in zip(slots, data, strict=True):
                 slot[:] = chunk
         try:
-            other.engine.transfer(self.agent, op, descs, self.config.timeout)
+            other.engine.transfer(target.engine, op, descs, self.config.timeout)
         except HixlError as exc:
             raise BenchFailure(f"verification transfer over the {other.path} path failed: "
                                f"{exc}") from exc
@@ -962,36 +1081,53 @@ class Bench(BenchRun):
     # ---- HIXL's own benchmark shape
 
     def _run_hixl_style(self) -> list[dict[str, Any]]:
-        """HIXL's shape: a fresh engine, one 8784 KiB block, N transfers, the first excluded."""
+        """HIXL's shape: a fresh engine, one 8784 KiB block per transfer, N transfers, the
+        first excluded. In the ranges layout the transfers cycle through blocks that are
+        each a range registered inside one malloc_mem pool, as HIXL users lay them out."""
         from hixl.client.engine import Engine
 
         block, count = self.config.hixl_block, self.config.hixl_transfers
         results = []
-        for path in self.paths:
-            for op in self.config.ops:
-                self._advance(f"hixl-style {path} {op}")
-                side = self.sides[path]
-                transfer_op = OPS[op]
-                windows = sample_windows(block, 1)
-                expected = self._prepare(side, transfer_op, windows)
-                with Engine(self.local, {"EnableUseFabricMem": PATH_OPTION[path]}) as engine:
-                    engine.connect(self.agent, timeout=5.0)
-                    engine.register(side.local)
-                    descs = [TransferOpDesc(side.local_addr, self.remote_base, block)]
-                    latencies = []
-                    for _ in range(count):
-                        began = time.perf_counter_ns()
-                        engine.transfer(self.agent, transfer_op, descs, self.config.timeout)
-                        latencies.append(time.perf_counter_ns() - began)
-                    route = engine.route(self.agent, self.remote_base)
-                self._check(side, transfer_op, windows, expected, f"hixl-style {path} {op}")
-                steady = Timing(latencies[1:], sum(latencies[1:]) / 1e9) if count > 1 else \
-                    Timing(latencies, sum(latencies) / 1e9)
-                results.append({"kind": "hixl-style", "path": path, "op": op, "block": block,
-                                "transfers": count, "first_us": latencies[0] / 1e3,
-                                "route": route,
-                                **steady.summary(block, 1), "verified": True})
+        for layout in self.layouts:
+            target = self.targets[layout]
+            blocks = target.blocks or (target.base,)
+            for path in self.paths:
+                for op in self.config.ops:
+                    self._advance(f"hixl-style {path} {op} {layout}")
+                    results.append(self._hixl_style_cell(Engine, path, op, target, blocks,
+                                                         block, count))
         return results
+
+    def _hixl_style_cell(self, engine_class: Any, path: str, op: str, target: Target,
+                         blocks: tuple[int, ...], block: int, count: int) -> dict[str, Any]:
+        side = self.sides[path]
+        transfer_op = OPS[op]
+        windows = sample_windows(block, 1)
+        each = [Target(target.layout, target.engine, base) for base in blocks]
+        expected = self._prepare(side, each[0], transfer_op, windows)
+        if transfer_op == TransferOp.READ:  # every block holds the same bytes
+            for other in each[1:]:
+                self._through_other(side, other, TransferOp.WRITE, windows, expected)
+        with engine_class(self.local, {"EnableUseFabricMem": PATH_OPTION[path]}) as engine:
+            engine.connect(target.engine, timeout=5.0)
+            engine.register(side.local)
+            descs = [[TransferOpDesc(side.local_addr, base, block)] for base in blocks]
+            latencies = []
+            for i in range(count):
+                began = time.perf_counter_ns()
+                engine.transfer(target.engine, transfer_op, descs[i % len(descs)],
+                                self.config.timeout)
+                latencies.append(time.perf_counter_ns() - began)
+            route = self._route(Side(path, engine, side.local, side.verify), target, blocks[0])
+        for other in each[:min(count, len(each))] if transfer_op == TransferOp.WRITE else each[:1]:
+            self._check(side, other, transfer_op, windows, expected,
+                        f"hixl-style {path} {op} {target.layout}")
+        steady = Timing(latencies[1:], sum(latencies[1:]) / 1e9) if count > 1 else \
+            Timing(latencies, sum(latencies) / 1e9)
+        return {"kind": "hixl-style", "path": path, "op": op, "layout": target.layout,
+                "block": block, "blocks": len(blocks), "transfers": count,
+                "first_us": latencies[0] / 1e3, "route": route,
+                **steady.summary(block, 1), "verified": True}
 
 
 def _ratio(cell: dict[str, Any], baseline: dict[str, Any], key: str = "gbps") -> float:
@@ -1023,6 +1159,7 @@ def evaluate_targets(cells: list[dict[str, Any]], *, across_nodes: bool = False
             value = cell[key]
             targets.append({
                 "target": name, "path": cell["path"], "op": cell["op"], "mode": cell["mode"],
+                "layout": cell.get("layout", "whole"),
                 "block": cell["block"], "batch": cell["batch"], "metric": key,
                 "value": value, "limit": limit,
                 "met": value <= limit if at_most else value >= limit})
@@ -1036,6 +1173,15 @@ def evaluate_targets(cells: list[dict[str, Any]], *, across_nodes: bool = False
     add("fabric one 4 KiB op: p50 <= 15 us",
         [c for c in sync if c["path"] == "fabric" and c["block"] == 4 * KIB
          and c["batch"] == 1], "p50_us", 15.0, True)
+    whole = {(c["path"], c["op"], c["mode"], c["block"], c["batch"]): c for c in engine
+             if c.get("layout", "whole") == "whole"}
+    vs_whole = []
+    for cell in engine:
+        twin = whole.get((cell["path"], cell["op"], cell["mode"], cell["block"], cell["batch"]))
+        if cell.get("layout") == "ranges" and cell["path"] == "fabric" and twin is not None:
+            vs_whole.append({**cell, "vs_whole": _ratio(cell, twin, "p50_gbps")})
+    add("fabric ranges in a malloc_mem pool: >= 0.95x whole segment", vs_whole, "vs_whole",
+        0.95, False)
     raw_limit = 0.8 if across_nodes else 0.7
     add(f"socket >= 1 MiB: >= {raw_limit}x raw stream" + (" (across nodes)" if across_nodes else ""),
         [c for c in sync if c["path"] == "socket" and c["block"] >= MIB], "ratio_p50",
@@ -1085,17 +1231,23 @@ def format_report(report: dict[str, Any]) -> str:
                f"{report['socket_baseline']} at {report.get('raw_peer', '?')})  "
                f"{report['host']['cpus']} CPUs")
     cells = report["cells"]
-    engine_rows = [[c["path"], c["op"], c["mode"], human_size(c["block"]), str(c["batch"]),
+    engine_rows = [[c["path"], c.get("layout", "whole"), c.get("route", "-").split(" ")[0],
+                    c["op"], c["mode"], human_size(c["block"]), str(c["batch"]),
                     str(c["calls"]), f"{c['gbps']:.3f}", format_rate(c["ops_per_s"]),
                     f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}", c["baseline"],
                     f"{c['baseline_gbps']:.3f}", f"{c['ratio']:.2f}x", f"{c['ratio_p50']:.2f}x",
                     f"{c['shm_ratio']:.2f}x" if "shm_ratio" in c else "-"]
                    for c in cells if c["kind"] == "engine"]
     if engine_rows:
-        out += ["", format_table(["path", "op", "mode", "block", "batch", "calls", "GB/s", "ops/s",
-                            "p50 us", "p99 us", "baseline", "base GB/s", "ratio", "p50 ratio",
-                            "vs shm"],
-                           engine_rows),
+        out += ["", format_table(["path", "layout", "route", "op", "mode", "block", "batch",
+                                  "calls", "GB/s", "ops/s", "p50 us", "p99 us", "baseline",
+                                  "base GB/s", "ratio", "p50 ratio", "vs shm"],
+                                 engine_rows, left=(0, 1, 2, 3, 4)),
+                *[f"route of {c['path']} {c['layout']} {c['op']} {human_size(c['block'])}: {c['route']}"
+                  for c in cells if c["kind"] == "engine" and "(" in c.get("route", "")][:4],
+                "(layout: whole = a segment an agent allocated; ranges = HIXL's layout, the "
+                f"call area a range {human_size(RANGE_OFFSET)} into a malloc_mem pool of a "
+                "target engine; route: the path the cell's transfers took)",
                 "(ratio: engine / baseline GB/s over the cell's wall time; p50 ratio: of the "
                 "median call's GB/s, robust to CPU steal, used by the targets; memcpy = best "
                 "of a run before and after the engine cells; vs shm: / memcpy to or from a "
@@ -1122,14 +1274,20 @@ def format_report(report: dict[str, Any]) -> str:
                         "p50 us", "MC p50 us"], vs_rows)]
     elif mooncake and not mooncake.get("measured"):
         out += ["", f"Mooncake: not measured: {mooncake.get('reason')}"]
-    style_rows = [[h["path"], h["op"], "sync", human_size(h["block"]), str(h["calls"]),
+    if report.get("layout_note"):
+        out += ["", f"layouts: {report['layout_note']}"]
+    style_rows = [[h["path"], h.get("layout", "whole"), str(h.get("route", "-")).split(" ")[0],
+                   h["op"], "sync", human_size(h["block"]), str(h["calls"]),
                    f"{h['first_us']:.0f}", f"{h['mean_us']:.1f}", f"{h['p50_us']:.1f}",
                    f"{h['p99_us']:.1f}", f"{h['gbps']:.3f}"] for h in report["hixl_style"]]
     if style_rows:
-        out += ["", "HIXL-style (fresh engine, one block per transfer, first transfer excluded)",
-                format_table(["path", "op", "mode", "block", "n", "first us", "mean us", "p50 us",
-                        "p99 us", "GB/s"], style_rows)]
-    target_rows = [[t["target"], f"{t['op']} {t['mode']}",
+        out += ["", "HIXL-style (fresh engine, one block per transfer, first transfer excluded; "
+                    f"ranges: cycling through {HIXL_STYLE_BLOCKS} blocks, each a range in one "
+                    "malloc_mem pool)",
+                format_table(["path", "layout", "route", "op", "mode", "block", "n", "first us",
+                              "mean us", "p50 us", "p99 us", "GB/s"], style_rows,
+                             left=(0, 1, 2, 3, 4))]
+    target_rows = [[t["target"], f"{t['op']} {t['mode']} {t.get('layout', 'whole')}",
                     f"{human_size(t['block'])} x{t['batch']}",
                     f"{t['value']:.2f}" if t["metric"] != "ops_per_s" else format_rate(t["value"]),
                     "met" if t["met"] else "MISSED"] for t in report["targets"]]
@@ -1152,4 +1310,4 @@ def run_bench(config: BenchConfig, progress: IO[str] | None = None) -> dict[str,
 
 
 if __name__ == "__main__":
-    sys.exit(raw_server_main())
+    sys.exit(range_target_main() if "--range-target" in sys.argv else raw_server_main())

@@ -28,7 +28,8 @@ def series(report: dict[str, Any]) -> Series:
         if cell.get("mode", "sync") != "sync" or cell.get("path") not in PATHS:
             continue
         if cell["kind"] == "engine":
-            name = f"hixl {cell['op']}"
+            layout = cell.get("layout", "whole")
+            name = f"hixl {cell['op']}" + (f" ({layout})" if layout != "whole" else "")
         elif cell["kind"] == "baseline":
             name = f"{cell['name']} {cell['op']}" if "op" in cell else cell["name"]
         else:

@@ -131,6 +131,10 @@ def add_bench(subparsers: Any) -> None:
                         "start one here (same node only)")
     p.add_argument("--paths", type=_choices(bench.PATHS), default=defaults.paths,
                    help="fabric,socket (default both)")
+    p.add_argument("--layouts", type=_choices(bench.LAYOUTS), default=defaults.layouts,
+                   help="where the remote bytes live: whole (a segment an agent allocated) "
+                        "and/or ranges (HIXL's layout: blocks registered as ranges inside one "
+                        "malloc_mem pool of a target engine); default: both")
     p.add_argument("--ops", type=_choices(tuple(bench.OPS)), default=defaults.ops,
                    help="write,read (default both)")
     p.add_argument("--modes", type=_choices(bench.MODES), default=defaults.modes,
@@ -178,7 +182,7 @@ def add_bench(subparsers: Any) -> None:
 def bench_config(args: argparse.Namespace) -> bench.BenchConfig:
     """The BenchConfig that `hixl bench` flags describe."""
     return bench.BenchConfig(
-        agent=args.agent, paths=args.paths, ops=args.ops, modes=args.modes, sizes=args.sizes,
+        agent=args.agent, paths=args.paths, layouts=args.layouts, ops=args.ops, modes=args.modes, sizes=args.sizes,
         batches=args.batches, seconds=args.seconds, iterations=args.iterations,
         warmup=max(0, args.warmup), depth=args.depth, max_call_bytes=args.max_call_bytes,
         timeout=args.timeout, matrix=not args.hixl_style, hixl_style=not args.no_hixl_style,

@@ -44,12 +44,14 @@ def test_bench_json_has_every_cell_with_positive_numbers(tmp_path) -> None:
     _check_plot(report, plot)
     assert report["verified"] is True
     cells = report["cells"]
-    engine = {(c["path"], c["op"], c["mode"], c["block"], c["batch"]): c
+    engine = {(c["path"], c["layout"], c["op"], c["mode"], c["block"], c["batch"]): c
               for c in cells if c["kind"] == "engine"}
-    expected = {(p, o, m, s, b) for p in bench.PATHS for o in bench.OPS for m in bench.MODES
-                for s in SIZES for b in BATCHES}
+    expected = {(p, lay, o, m, s, b) for p in bench.PATHS for lay in bench.LAYOUTS
+                for o in bench.OPS for m in bench.MODES for s in SIZES for b in BATCHES}
     assert set(engine) == expected
     for cell in engine.values():
+        # each cell says the path it took: the ranges inside a malloc_mem pool are mapped too
+        assert cell["route"] == ("fabric" if cell["path"] == "fabric" else "unix"), cell
         assert cell["verified"] is True
         assert cell["calls"] >= 2
         for key in ("gbps", "ops_per_s", "p50_us", "p99_us", "mean_us", "baseline_gbps",
@@ -73,13 +75,21 @@ def test_bench_json_has_every_cell_with_positive_numbers(tmp_path) -> None:
     assert report["paths"]["fabric"]["route"] == "fabric"
     assert report["paths"]["socket"]["route"] == "unix"
     assert report["socket_baseline"] == "raw-unix"
-    style = {(h["path"], h["op"]) for h in report["hixl_style"]}
-    assert style == {(p, o) for p in bench.PATHS for o in bench.OPS}
+    style = {(h["path"], h["layout"], h["op"]) for h in report["hixl_style"]}
+    assert style == {(p, lay, o) for p in bench.PATHS for lay in bench.LAYOUTS for o in bench.OPS}
     for run in report["hixl_style"]:
         assert run["calls"] == 3 and run["verified"] is True  # 4 transfers, first excluded
         assert run["gbps"] > 0 and run["first_us"] > 0
-    # blocks < 1 MiB and no x256 batch: only the single-4K-op latency target applies
-    assert {t["target"] for t in report["targets"]} == {"fabric one 4 KiB op: p50 <= 15 us"}
+        assert run["route"] == ("fabric" if run["path"] == "fabric" else "unix")
+        assert run["blocks"] == (bench.HIXL_STYLE_BLOCKS if run["layout"] == "ranges" else 1)
+    # blocks < 1 MiB and no x256 batch: the single-4K-op latency target applies, and every
+    # fabric cell of the ranges layout is compared with its whole-segment twin
+    assert {t["target"] for t in report["targets"]} == {
+        "fabric one 4 KiB op: p50 <= 15 us",
+        "fabric ranges in a malloc_mem pool: >= 0.95x whole segment"}
+    assert len([t for t in report["targets"] if "ranges" in t["target"]]) == \
+        len(bench.OPS) * len(bench.MODES) * len(SIZES) * len(BATCHES)
+    assert "ranges" in table and "route" in table
     assert "ratio" in table and "HIXL-style" in table  # the table went to stderr
     assert report["across_nodes"] is False and report["local"] == "127.0.0.1"
     assert report["mooncake"] == {"measured": False, "reason": "not asked for (--mooncake off)"}
@@ -95,10 +105,11 @@ def _check_plot(report: dict, plot) -> None:
     lines = series(report)
     sync_engine = [c for c in report["cells"] if c["kind"] == "engine" and c["mode"] == "sync"]
     for cell in sync_engine:
-        points = lines[(cell["path"], f"hixl {cell['op']}", cell["batch"] > 1)]
+        name = f"hixl {cell['op']}" + (" (ranges)" if cell["layout"] == "ranges" else "")
+        points = lines[(cell["path"], name, cell["batch"] > 1)]
         assert (cell["block"], cell["gbps"], cell["p50_us"]) in points
-    assert {name for path, name, _ in lines if path == "fabric"} >= {"hixl read", "hixl write",
-                                                                   "memcpy copy"}
+    assert {name for path, name, _ in lines if path == "fabric"} >= {
+        "hixl read", "hixl write", "hixl read (ranges)", "hixl write (ranges)", "memcpy copy"}
     assert {name for path, name, _ in lines if path == "socket"} >= {"hixl read", "hixl write"}
     assert all(points == sorted(points) for points in lines.values())
     assert len([p for points in lines.values() for p in points]) == sum(
@@ -195,8 +206,8 @@ def test_bench_hixl_style_only_and_json_file(tmp_path) -> None:
     assert code == 0
     report = json.loads(out.read_text())
     assert report["cells"] == []
-    assert [(h["path"], h["op"], h["calls"]) for h in report["hixl_style"]] == [
-        ("fabric", "write", 2)]
+    assert [(h["path"], h["layout"], h["op"], h["calls"]) for h in report["hixl_style"]] == [
+        ("fabric", "whole", "write", 2), ("fabric", "ranges", "write", 2)]
     assert report["verified"] is True
 
 
@@ -266,4 +277,4 @@ def test_progress_bar_counts_every_cell_to_the_end() -> None:
     done = [n for n, _ in counts]
     assert done == sorted(done) and done[-1] == total >= len(report["cells"]), counts
     assert "0/?" in frames and "starting hixl-agent" in frames
-    assert "fabric write sync 4K x2" in frames, frames[-800:]
+    assert "fabric write sync ranges 4K x2" in frames, frames[-800:]
