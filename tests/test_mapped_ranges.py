@@ -411,3 +411,21 @@ def test_owner_killed_while_threads_copy_gives_typed_errors(owner: Owner) -> Non
         assert after and "ok" not in after and "corrupt" not in after, after
         with pytest.raises((NotConnected, HixlError)):
             engine.write(owner.name, local, addr)
+
+
+def test_a_numpy_view_into_malloc_memory_is_a_mapped_range(initiator: Engine) -> None:
+    """Engine users register buffer objects: a numpy view into Engine.malloc memory is a
+    range of that allocation like a raw (addr, len), and is mapped by peers."""
+    with Engine(f"127.0.0.1:{free_port()}", FABRIC_ON) as owner_engine:
+        pool = owner_engine.malloc(4 * MiB)
+        layer = np.frombuffer(pool.view(), np.uint8)[MiB + 64:2 * MiB]
+        owner_engine.register(layer)
+        initiator.connect(owner_engine.name, 10)
+        assert initiator.route(owner_engine.name, layer.ctypes.data) == "fabric"
+        local = pattern(40, layer.nbytes)
+        initiator.register(local)
+        initiator.write(owner_engine.name, local, layer.ctypes.data)
+        assert (layer == local).all()
+        with pytest.raises(ParamInvalid, match="still has 1 registered range"):
+            owner_engine.free(pool)
+        initiator.disconnect(owner_engine.name)
