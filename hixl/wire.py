@@ -700,6 +700,26 @@ class ClientProtocol:
             self._lengths += [0] * len(ops)
         return headers
 
+    def request(self, opcode: int, segment_id: int, epoch: int, addr: int, length: int
+                ) -> tuple[bytes, bytes]:
+        """One WRITE or READ header, and the plain OK reply that would accept it.
+
+        Why the pair: a single op's reply is checked by comparing its 48 bytes with the
+        expected OK (`answered_ok`), skipping the decode; any other reply still goes
+        through `on_reply_header`, which checks it fully.
+        """
+        rid = self._next_id
+        self._next_id = rid + 1
+        self._opcodes.append(opcode)
+        data = length if opcode == _READ else 0
+        self._lengths.append(data)
+        return (_pack(MAGIC, VERSION, opcode, 0, 0, 0, epoch, rid, segment_id, addr, length),
+                _pack(MAGIC, VERSION, _REPLY, 0, 0, 0, 0, rid, 0, 0, data))
+
+    def answered_ok(self) -> None:
+        """The oldest outstanding request got exactly the OK reply `request` returned."""
+        self._answered(1)
+
     def ping(self) -> bytes:
         return Header(Op.PING, self._take_id(Op.PING, 0)).pack()
 

@@ -243,6 +243,10 @@ class _Connection:
         self.start = 0  # unread bytes are ring[start:end]
         self.end = 0
         self.exact = False  # read the next header alone: it follows a large payload
+        # the last read into the ring got less than it asked: the socket was empty then, so
+        # replies are sent at once instead of first probing for more frames (a probe that
+        # finds nothing costs a system call and an exception: most of a lone op's overhead)
+        self.drained = False
         self.replies: list[Buffer] = []  # gathered, not yet sent
         self.reply_bytes = 0
         # the open run: accepted requests of one opcode not yet answered
@@ -253,8 +257,8 @@ class _Connection:
         self.run_bytes = 0
         self.run_windows: list[memoryview] = []  # READ data, sent after the run's header
         # counted here and published at each flush: no shared lock per frame
-        self.counts = dict.fromkeys(("bytes_written", "bytes_read", "ops_write", "ops_read",
-                                     "refused"), 0)
+        self.ops_write = self.bytes_written = self.ops_read = self.bytes_read = 0
+        self.refused = 0
         self.traffic = server.traffic.pair(
             "unix" if sock.family == socket.AF_UNIX else "tcp")  # (read, write)
         self.started = _monotonic()  # when the batch the next flush answers began
@@ -340,16 +344,15 @@ class _Connection:
         count, size = self.run_count, self.run_bytes
         self.replies.append(wire.run_reply(self.run_first, count, size
                                            if self.run_op == _READ else 0))
-        counts = self.counts
         if self.run_op == _READ:
             self.replies += self.run_windows
             self.run_windows.clear()
             self.reply_bytes += size
-            counts["ops_read"] += count
-            counts["bytes_read"] += size
+            self.ops_read += count
+            self.bytes_read += size
         else:
-            counts["ops_write"] += count
-            counts["bytes_written"] += size
+            self.ops_write += count
+            self.bytes_written += size
         self.run_count = self.run_bytes = 0
         self.run_next = -1
         if len(self.replies) >= _FLUSH_BUFFERS or self.reply_bytes >= _FLUSH_BYTES:
@@ -376,7 +379,7 @@ class _Connection:
 
     def _refused(self, traffic: Traffic, reply: bytes) -> None:
         """Count a refused request (rare path) by the reason its error reply carries."""
-        self.counts["refused"] += 1
+        self.refused += 1
         reason = int.from_bytes(reply[6:8], "big")
         name = wire.Reason(reason).name if reason in _REASONS else str(reason)
         with self.server._lock:
@@ -386,22 +389,27 @@ class _Connection:
         """Add this connection's counts to the server's; returns which directions had ops
         (1: writes, 2: reads), so the caller can time the batch."""
         server = self.server
-        counts = self.counts
+        ops_write, ops_read, refused = self.ops_write, self.ops_read, self.refused
+        directions = (1 if ops_write else 0) | (2 if ops_read else 0)
+        if not (directions or refused):
+            return 0
         read, write = self.traffic
-        directions = 0
         with server._lock:
-            for name, value in counts.items():
-                server.counters[name] += value
-            if counts["ops_write"]:
-                write.ops += counts["ops_write"]
-                write.bytes += counts["bytes_written"]
-                directions = 1
-            if counts["ops_read"]:
-                read.ops += counts["ops_read"]
-                read.bytes += counts["bytes_read"]
-                directions |= 2
-        for name in counts:
-            counts[name] = 0
+            counters = server.counters
+            if ops_write:
+                counters["ops_write"] += ops_write
+                counters["bytes_written"] += self.bytes_written
+                write.ops += ops_write
+                write.bytes += self.bytes_written
+            if ops_read:
+                counters["ops_read"] += ops_read
+                counters["bytes_read"] += self.bytes_read
+                read.ops += ops_read
+                read.bytes += self.bytes_read
+            if refused:
+                counters["refused"] += refused
+        self.ops_write = self.bytes_written = self.ops_read = self.bytes_read = 0
+        self.refused = 0
         return directions
 
     def _read_header(self) -> bool:
@@ -420,7 +428,7 @@ class _Connection:
         self.start, self.end = 0, have
         want = wire.HEADER_SIZE - have if self.exact else _RING - have
         self.exact = False
-        if self.replies or self.run_count:
+        if (self.replies or self.run_count) and not self.drained:
             try:
                 n = sock.recv_into(self.view[have:], want, socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -435,11 +443,13 @@ class _Connection:
                 return False
             if n > 0:
                 self.end = have = have + n
+                self.drained = n < want
                 want -= n
             if have >= wire.HEADER_SIZE:
                 return True
-            if self.run_count:
-                self._close_run()
+        if self.run_count:
+            self._close_run()
+        if self.replies:
             self._flush()
         while have < wire.HEADER_SIZE:
             try:
@@ -454,6 +464,7 @@ class _Connection:
                 return False
             self.started = _monotonic()  # after an idle wait: a new batch begins
             self.end = have = have + n
+            self.drained = n < want
             want -= n
         return True
 
@@ -482,6 +493,7 @@ class _Connection:
 
     def _recv_exact(self, target: memoryview) -> None:
         """Fill `target` from the socket: no intermediate buffer, one call per payload."""
+        self.drained = False  # more may be queued behind it
         size = len(target)
         filled = 0
         while filled < size:
@@ -513,6 +525,7 @@ class _Connection:
             filled += got
             if filled >= size:
                 self.end = filled - size
+                self.drained = self.end < len(ring)
                 return
 
     def _drain_before_close(self) -> None:
@@ -548,15 +561,10 @@ class _Connection:
             self._recv_exact(scratch[:chunk])
             count -= chunk
 
-    def _flush(self) -> None:
-        """Send every gathered reply (headers and READ data, zero-copy) in few calls.
-
-        Then the batch's time (from its first request bytes, or the previous flush, to
-        the replies sent) goes to the latency of the directions it served: one
-        observation per flush, not per op.
-        """
-        directions = self._publish()  # before the replies: a client that has them sees the counts
-        out = BufferQueue(self.replies)
+    def _send_all(self, buffers: list[Buffer], sent: int) -> None:
+        """Send `buffers` past their first `sent` bytes, in as few calls as it takes."""
+        out = BufferQueue(buffers)
+        out.advance(sent)
         unsent = out.left
         while unsent:
             try:
@@ -565,7 +573,28 @@ class _Connection:
                 raise Stalled("peer stopped reading replies") from None
             out.advance(sent)
             unsent -= sent
-        self.replies.clear()
+
+    def _flush(self) -> None:
+        """Send every gathered reply (headers and READ data, zero-copy) in few calls.
+
+        Then the batch's time (from its first request bytes, or the previous flush, to
+        the replies sent) goes to the latency of the directions it served: one
+        observation per flush, not per op.
+        """
+        directions = self._publish()  # before the replies: a client that has them sees the counts
+        replies = self.replies
+        if not replies:
+            pass
+        elif len(replies) <= 2:  # a lone reply (and its READ data): one call, no queue
+            try:
+                sent = self.sock.sendmsg(replies)
+            except BlockingIOError:  # SO_SNDTIMEO passed with nothing sent
+                raise Stalled("peer stopped reading replies") from None
+            if sent != sum(map(len, replies)):
+                self._send_all(replies, sent)
+        else:
+            self._send_all(replies, 0)
+        replies.clear()
         self.reply_bytes = 0
         now = _monotonic()
         if directions:

@@ -526,6 +526,133 @@ def test_deadline_passes_while_server_stalls(served: Served, tmp_path: Path, kin
         cleanup()
 
 
+@pytest.mark.parametrize("mode", ["silent", "after-hello", "trickle"])
+def test_single_op_deadline_passes_while_server_stalls(served: Served, tmp_path: Path,
+                                                       kind: str, mode: str) -> None:
+    """A lone small op takes the blocking path; its waits are bounded by the deadline too,
+    also when the reply trickles in (each blocking read is re-armed with what is left)."""
+    info = served.add(1)
+    address, cleanup = silent_listener(kind, tmp_path, mode=mode)
+    transport = SocketTransport(address, connect_timeout=30)
+    local = ShmSegment(1 << 16)
+    try:
+        for op in TransferOp:
+            for size in (8, 1 << 16):
+                with pytest.raises(errors.TransferTimeout, match=re.escape(address)) as exc:
+                    transport.transfer(op, [Item(7, local.addr, info, info.base, size)],
+                                       time.monotonic() + 0.3)
+                assert exc.value.failed == [7]
+    finally:
+        transport.close()
+        cleanup()
+
+
+def scripted_server(kind: str, tmp_path: Path, answer: Callable[[socket.socket, wire.Header], None]
+                    ) -> tuple[str, Callable[[], None]]:
+    """A server that answers HELLO, then calls `answer(conn, header)` for each request
+    (after reading a WRITE's payload)."""
+    if kind == "tcp":
+        listener = socket.create_server(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    else:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(tmp_path / "scripted.sock"))
+        listener.listen()
+        address = f"unix://{tmp_path / 'scripted.sock'}"
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    while raw := recv_exactly(conn, wire.HEADER_SIZE):
+                        header = wire.decode_header(raw)
+                        if header.opcode in (wire.Op.HELLO, wire.Op.WRITE):
+                            recv_exactly(conn, header.length)
+                        if header.opcode == wire.Op.HELLO:
+                            conn.sendall(wire.Header(wire.Op.REPLY, header.request_id,
+                                                     epoch=EPOCH).pack())
+                        else:
+                            answer(conn, header)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def cleanup() -> None:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(10)
+
+    return address, cleanup
+
+
+@pytest.mark.parametrize("reply, error, words", [
+    (lambda h: wire.ok_reply(h.request_id + 1), errors.TransferFailed, "expected"),
+    (lambda h: wire.ok_reply(h.request_id, 3), errors.TransferFailed, "payload|3 bytes"),
+    (lambda h: b"", errors.PeerUnavailable, "closed"),
+    (lambda h: wire.ok_reply(h.request_id)[:20], errors.PeerUnavailable, "closed"),
+])
+def test_single_op_bad_or_missing_reply_breaks_the_stream(
+        served: Served, tmp_path: Path, kind: str, reply: Callable[[wire.Header], bytes],
+        error: type, words: str) -> None:
+    """The single-op path checks a reply that is not the expected OK fully; a wrong one,
+    or the peer leaving before the reply is complete, fails the op and drops the stream."""
+    info = served.add(1)
+
+    def answer(conn: socket.socket, header: wire.Header) -> None:
+        conn.sendall(reply(header))
+        conn.shutdown(socket.SHUT_RDWR)  # and leave: the stream ends here
+
+    address, cleanup = scripted_server(kind, tmp_path, answer)
+    transport = SocketTransport(address)
+    local = ShmSegment(4096)
+    try:
+        for op in (TransferOp.WRITE, TransferOp.WRITE, TransferOp.READ):
+            with pytest.raises(error, match=words) as exc:
+                transport.transfer(op, [Item(3, local.addr, info, info.base, 4096)], deadline())
+            assert exc.value.failed == [3]
+    finally:
+        transport.close()
+        cleanup()
+
+
+def test_single_op_accepts_a_run_reply_of_one_and_refusals_touch_nothing(
+        served: Served, tmp_path: Path, kind: str) -> None:
+    """Any valid reply is accepted, not only the exact OK the client expects; a refused
+    lone READ leaves the local buffer as it was, and the stream stays usable."""
+    info = served.add(1)
+
+    def answer(conn: socket.socket, header: wire.Header) -> None:
+        if header.addr == info.base:  # accept as a run of one, data from the segment
+            data = served.bytes_of(1)[:header.length] if header.opcode == wire.Op.READ else b""
+            conn.sendall(wire.Header(wire.Op.REPLY, header.request_id, addr=1, length=len(data),
+                                     flags=wire.FLAG_RUN).pack() + data)
+        else:
+            conn.sendall(wire.error_reply(header.request_id, wire.Reason.OUT_OF_RANGE, "no"))
+
+    address, cleanup = scripted_server(kind, tmp_path, answer)
+    transport = SocketTransport(address)
+    local = ShmSegment(4096)
+    try:
+        transport.transfer(TransferOp.WRITE, [Item(0, local.addr, info, info.base, 64)], deadline())
+        transport.transfer(TransferOp.READ, [Item(0, local.addr, info, info.base, 4096)],
+                           deadline())
+        assert bytes(local.view()) == served.bytes_of(1)[:4096]
+        local.view()[:] = b"\x5a" * 4096
+        with pytest.raises(errors.OutOfRange, match="no") as exc:
+            transport.transfer(TransferOp.READ, [Item(6, local.addr, info, info.base + 8, 4096)],
+                               deadline())
+        assert exc.value.failed == [6]
+        assert bytes(local.view()) == b"\x5a" * 4096
+        transport.transfer(TransferOp.READ, [Item(0, local.addr, info, info.base, 100)],
+                           deadline())
+        assert bytes(local.view()[:100]) == served.bytes_of(1)[:100]
+    finally:
+        transport.close()
+        cleanup()
+
+
 def test_connection_refused_names_the_address(tmp_path: Path, served: Served) -> None:
     info = served.add(1)
     probe = socket.create_server(("127.0.0.1", 0))

@@ -409,6 +409,29 @@ def test_bulk_requests_match_one_by_one_encoding() -> None:
         bulk.requests(Op.PING, ops)
 
 
+def test_single_request_pairs_its_frame_with_the_ok_that_accepts_it() -> None:
+    """`request` encodes what `write`/`read` do, and its expected OK is exactly the reply
+    a server sends; any other reply still goes through the full check, in step."""
+    single, one_by_one = wire.ClientProtocol(), wire.ClientProtocol()
+    server = wire.ServerProtocol(lambda sid: None, EPOCH)
+    for opcode, encode, length in ((Op.WRITE, one_by_one.write, 4096),
+                                   (Op.READ, one_by_one.read, 4096)):
+        header, ok = single.request(opcode, 1, EPOCH, BASE, length)
+        assert header == encode(1, EPOCH, BASE, length)
+        rid = wire.decode_header(header).request_id
+        assert ok == wire.run_reply(rid, 1, length if opcode == Op.READ else 0)
+        assert ok == wire.ok_reply(rid, length if opcode == Op.READ else 0)
+        single.answered_ok()
+    assert single.outstanding == 0
+    # a refusal is not the expected OK: on_reply_header takes it and stays in step
+    header, ok = single.request(Op.READ, 9, EPOCH, BASE, 8)
+    action = server.on_header(header)
+    assert isinstance(action, wire.Close)  # no HELLO: refused before any check
+    assert action.reply is not None and not action.reply.startswith(ok)
+    refusal = single.on_reply_header(action.reply[:HEADER_SIZE])
+    assert refusal.flags & wire.FLAG_ERROR_TEXT and single.outstanding == 0
+
+
 def test_run_reply_encodes_count_and_length() -> None:
     header = wire.decode_header(wire.run_reply(7, 3, 300))
     assert (header.request_id, wire.reply_count(header), header.length) == (7, 3, 300)

@@ -59,6 +59,11 @@ _SCRATCH = 64 << 10  # reply headers and error texts are read through this buffe
 STRIPES = 3
 STRIPE_MIN_BYTES = 4 << 20
 _STRIPE_ALIGN = 64 << 10  # lane boundaries fall on multiples of this (within the batch)
+# A lone op up to this size is one frame sent and answered with blocking calls
+# (_Connection.single). The kernel bounds each such TCP call, and a unix receive, in total
+# by the socket's timeout; a unix send this small fits in an idle stream's buffer without
+# waiting. Larger ops are not latency-bound and keep the poll loop.
+SINGLE_MAX = 64 << 10
 _LANE_GRACE_S = 5.0  # how long past the deadline a helper lane may take to report
 
 Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias on 3.10
@@ -187,11 +192,22 @@ class _StreamLost(Exception):
 
 
 _PEER_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
-
+_DONTWAIT = socket.MSG_DONTWAIT
+_WAITALL = socket.MSG_WAITALL
+_ARM_MIN_S = 0.01  # below this much time left, a blocking call is bounded by all of it
+_ARM_MAX_S = 3600.0  # the longest a blocking call waits before it checks the deadline again
+_WRITE, _READ = int(wire.Op.WRITE), int(wire.Op.READ)
+_monotonic = time.monotonic
 
 
 class _Connection:
-    """One non-blocking data stream with its own request numbering and reply scratch."""
+    """One data stream with its own request numbering and reply scratch.
+
+    The socket is in blocking mode, bounded by SO_RCVTIMEO/SO_SNDTIMEO (`_arm`): a single
+    frame is one blocking `sendmsg` and one blocking receive, no readiness round trip. The
+    pipelined exchange of a batch passes MSG_DONTWAIT on every call and waits in `poll`,
+    so it never blocks in a send while replies pile up.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -200,6 +216,8 @@ class _Connection:
         self._poll.register(sock.fileno(), select.POLLIN)
         self._scratch = bytearray(_SCRATCH)
         self._view = memoryview(self._scratch)
+        self._head = self._view[:wire.HEADER_SIZE]  # where a single op's reply header lands
+        self._armed = 0.0  # the SO_RCVTIMEO/SO_SNDTIMEO set now, seconds; 0: none yet
         self._start = 0  # unread reply bytes are self._scratch[_start:_end]
         self._end = 0
         # READ data being received: the targets of the current reply (a run's, back to back)
@@ -223,6 +241,111 @@ class _Connection:
         """Wake a transfer blocked on this stream (from another thread): it sees EOF."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+
+    def single(self, opcode: int, segment_id: int, epoch: int, addr: int,
+               local: memoryview, deadline: float) -> HixlError | None:
+        """One WRITE or READ frame with blocking calls: the request (header and payload)
+        in one `sendmsg`, then the reply header read exactly, then a READ's data straight
+        into `local`. Returns the refusal, if any.
+
+        Why not the poll loop: a single frame cannot deadlock (the agent reads all of it
+        before it answers), and for a small op the readiness round trips and the
+        non-blocking retries were most of its cost. Every call is bounded by the deadline
+        (`_arm`); raises _StreamLost like `exchange`.
+        """
+        length = len(local)
+        header, ok = self.proto.request(opcode, segment_id, epoch, addr, length)
+        self.replied = 0
+        self.refusals = []
+        sock = self.sock
+        try:
+            self._arm(deadline)
+            buffers = [header, local] if opcode == _WRITE else [header]
+            try:
+                sent = sock.sendmsg(buffers)
+            except BlockingIOError:  # SO_SNDTIMEO passed with nothing sent
+                sent = 0
+            if sent != wire.HEADER_SIZE + (length if opcode == _WRITE else 0):
+                self._send_rest(buffers, sent, deadline)
+            head = self._head
+            try:
+                got = sock.recv_into(head, wire.HEADER_SIZE, _WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO passed with nothing read
+                got = -1
+            if got != wire.HEADER_SIZE:  # cut short by a timeout, EOF or a signal
+                self._recv_rest(head, deadline, got)
+            if self._scratch.startswith(ok):
+                self.proto.answered_ok()
+            else:
+                reply = self.proto.on_reply_header(head)
+                if reply.flags & wire.FLAG_ERROR_TEXT:
+                    text = self._view[wire.HEADER_SIZE:wire.HEADER_SIZE + reply.length]
+                    self._recv_rest(text, deadline)
+                    self.replied = 1
+                    return wire.reply_error(reply, bytes(text))
+            if opcode == _READ:
+                try:
+                    got = sock.recv_into(local, length, _WAITALL)
+                except BlockingIOError:
+                    got = -1
+                if got != length:
+                    self._recv_rest(local, deadline, got)
+        except (OSError, wire.ProtocolError) as exc:
+            raise self._broken(exc) from None
+        self.replied = 1
+        return None
+
+    def _arm(self, deadline: float) -> None:
+        """Bound the next blocking call by the deadline: SO_RCVTIMEO/SO_SNDTIMEO of at
+        most the time left (half of it, down to _ARM_MIN_S, so calls with similar
+        deadlines find it set and pay no system call; a wait that ends early just re-arms).
+        Raises _StreamLost("timeout") once the deadline has passed."""
+        remaining = deadline - _monotonic()
+        if remaining <= 0:
+            raise self._lost("timeout", "deadline passed")
+        armed = self._armed
+        if 0 < armed <= remaining and armed * 4 >= remaining:
+            return
+        value = min(remaining / 2, _ARM_MAX_S) if remaining > 2 * _ARM_MIN_S else remaining
+        seconds = int(value)
+        timeval = struct.pack("ll", seconds, max(int((value - seconds) * 1e6), 0 if seconds else 1))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self._armed = value
+
+    def _send_rest(self, buffers: list[Buffer], sent: int, deadline: float) -> None:
+        """Finish a blocking send that `sendmsg` cut short after `sent` bytes."""
+        out = BufferQueue(buffers)
+        out.advance(sent)
+        while out.left:
+            self._arm(deadline)
+            try:
+                out.advance(self.sock.sendmsg(out.chunk()))
+            except BlockingIOError:  # SO_SNDTIMEO passed with nothing sent: re-arm
+                continue
+
+    def _recv_rest(self, target: memoryview, deadline: float, got: int = 0) -> None:
+        """Fill `target` with blocking reads; a first read already brought `got` bytes
+        (0: it found EOF, which the next read shows again; -1: it timed out)."""
+        got = max(got, 0)
+        size = len(target)
+        while got < size:
+            self._arm(deadline)
+            try:
+                n = self.sock.recv_into(target[got:], size - got, _WAITALL)
+            except BlockingIOError:  # SO_RCVTIMEO passed with nothing read: re-arm
+                continue
+            if not n:
+                raise self._lost("closed", "peer closed the connection")
+            got += n
+
+    def _broken(self, exc: BaseException) -> _StreamLost:
+        """The _StreamLost for a failed socket call or a bad reply."""
+        if isinstance(exc, wire.ProtocolError):
+            return self._lost("protocol", f"bad reply: {exc}")
+        if isinstance(exc, _PEER_GONE):
+            return self._lost("closed", f"connection reset ({exc.strerror})")
+        return self._lost("closed", f"socket error: {exc}")
 
     def exchange(self, frames: _Frames, deadline: float) -> list[tuple[int, HixlError]]:
         """Send every frame, read every reply; returns (frame number, error) per refusal.
@@ -248,7 +371,7 @@ class _Connection:
                 progressed = False
                 if unsent:
                     try:
-                        sent = self.sock.sendmsg(out.chunk())
+                        sent = self.sock.sendmsg(out.chunk(), (), _DONTWAIT)
                     except BlockingIOError:
                         sent = 0
                     if sent:
@@ -264,11 +387,7 @@ class _Connection:
                 elif time.monotonic() >= deadline:  # a trickling peer cannot stretch it
                     raise self._lost("timeout", "deadline passed")
         except (OSError, wire.ProtocolError) as exc:
-            if isinstance(exc, wire.ProtocolError):
-                raise self._lost("protocol", f"bad reply: {exc}") from None
-            if isinstance(exc, _PEER_GONE):
-                raise self._lost("closed", f"connection reset ({exc.strerror})") from None
-            raise self._lost("closed", f"socket error: {exc}") from None
+            raise self._broken(exc) from None
         if self._start != self._end:
             raise self._lost("protocol", f"{self._end - self._start} bytes after the last reply")
         return self.refusals
@@ -338,8 +457,8 @@ class _Connection:
                 self._start = self._end = 0
                 chunk.append(self._view[:wire.HEADER_SIZE])
             try:
-                got = (self.sock.recvmsg_into(chunk)[0] if len(chunk) > 1
-                       else self.sock.recv_into(chunk[0]))
+                got = (self.sock.recvmsg_into(chunk, 0, _DONTWAIT)[0] if len(chunk) > 1
+                       else self.sock.recv_into(chunk[0], 0, _DONTWAIT))
             except BlockingIOError:
                 return False
             if not got:
@@ -377,7 +496,8 @@ class _Connection:
                 self._start, self._end = 0, have
             want = need - (self._end - self._start) if exact else _SCRATCH - self._end
             try:
-                got = self.sock.recv_into(self._view[self._end:self._end + want], want)
+                got = self.sock.recv_into(self._view[self._end:self._end + want], want,
+                                          _DONTWAIT)
             except BlockingIOError:
                 return False
             if not got:
@@ -441,6 +561,9 @@ class SocketTransport(Transport):
                                f"{stripe_min_bytes}")
         self._stripes = stripes
         self._stripe_min_bytes = stripe_min_bytes
+        # a lone op up to this size takes the blocking single-frame path (never striped)
+        self._single_max = min(SINGLE_MAX, frame_limit,
+                               stripe_min_bytes - 1 if stripes > 1 else SINGLE_MAX)
         self._helpers: concurrent.futures.ThreadPoolExecutor | None = None  # striped lanes
         self.address = address
         self._identity = identity.encode("utf-8")
@@ -467,6 +590,9 @@ class SocketTransport(Transport):
         has them without waiting, and never the last free one, so a concurrent small
         transfer still gets through.
         """
+        if len(items) == 1 and items[0].length <= self._single_max:
+            self._single(op, items[0], deadline)
+            return
         if not items:
             if self._closed:
                 raise NotConnected(f"data connection to {self.address} is closed")
@@ -501,6 +627,30 @@ class SocketTransport(Transport):
             first = min(refusals, key=lambda refusal: refusal[0])[1]
             first.failed = failed
             raise first
+
+    def _single(self, op: TransferOp, item: Item, deadline: float) -> None:
+        """One op in one frame (`_Connection.single`): the path of small latency-bound
+        calls, so it builds no frame lists and names the op in messages only on failure."""
+        conn = self._acquire(deadline, [item.index])
+        assert conn is not None
+        writing = op == TransferOp.WRITE
+        segment = item.segment
+        try:
+            error = conn.single(_WRITE if writing else _READ, segment.segment_id, segment.epoch,
+                                item.remote_addr,
+                                local_view(item.local_addr, item.length, writable=not writing),
+                                deadline)
+        except _StreamLost as lost:
+            self._release(conn, reusable=False)
+            raise self._stream_error(lost, f"{op.name} of 1 op(s) with {self.address}", [item],
+                                     {0}) from None
+        except BaseException:
+            self._release(conn, reusable=False)
+            raise
+        self._release(conn, reusable=True)
+        if error is not None:
+            error.failed = [item.index]
+            raise error
 
     def ping(self, deadline: float) -> None:
         """One round trip on a pooled connection: proves the agent's data port answers."""
@@ -755,7 +905,7 @@ class SocketTransport(Transport):
             tune_socket(sock)
             sock.settimeout(remaining)
             sock.connect(self._sockaddr)
-            sock.setblocking(False)
+            sock.settimeout(None)  # blocking: each connection bounds its calls (_arm)
         except TimeoutError:
             sock.close()
             raise timeout_error(f"connecting to {self.address} timed out") from None
