@@ -429,3 +429,29 @@ def test_a_numpy_view_into_malloc_memory_is_a_mapped_range(initiator: Engine) ->
         with pytest.raises(ParamInvalid, match="still has 1 registered range"):
             owner_engine.free(pool)
         initiator.disconnect(owner_engine.name)
+
+
+def test_with_a_registry_a_deregistered_range_is_refused_at_once_and_served_again(
+        owner: Owner) -> None:
+    """Registry mode: the initiator follows the owner's embedded registry. A withdrawn
+    range is refused at once (by its liveness word, or by the view if the watch came
+    first); a range registered again is served as soon as the view has it."""
+    offset = 3 * MiB + 40
+    addr = owner.register(offset, 64 << 10)
+    with Engine("127.0.0.1", FABRIC_ON, registry=owner.name) as engine:
+        engine.connect(owner.name, 10)
+        local = pattern(50, 64 << 10)
+        engine.register(local)
+        engine.write(owner.name, local, addr)
+        assert engine.route(owner.name, addr) == "fabric"
+        assert owner.ask(do="deregister", offset=offset)["ret"] == hixl.SUCCESS
+        with pytest.raises((ParamInvalid, OutOfRange)):
+            engine.write(owner.name, local, addr)
+        table = engine.global_table
+        assert table.wait_for(lambda t: not any(s.base == addr for s in t.segments(owner.name)), 10)
+        with pytest.raises(OutOfRange):
+            engine.write(owner.name, local, addr)
+        assert owner.register(offset, 64 << 10) == addr
+        assert table.wait_for(lambda t: any(s.base == addr for s in t.segments(owner.name)), 10)
+        engine.write(owner.name, local, addr)
+        assert owner.digest(offset, 64 << 10) == sha(local)
