@@ -592,10 +592,13 @@ def scripted_server(kind: str, tmp_path: Path, answer: Callable[[socket.socket, 
     (lambda h: wire.ok_reply(h.request_id, 3), errors.TransferFailed, "payload|3 bytes"),
     (lambda h: b"", errors.PeerUnavailable, "closed"),
     (lambda h: wire.ok_reply(h.request_id)[:20], errors.PeerUnavailable, "closed"),
+    # stray bytes after an error reply: seen when a small READ's reply is read whole
+    (lambda h: wire.error_reply(h.request_id, wire.Reason.OUT_OF_RANGE, "x") + b"??",
+     (errors.OutOfRange, errors.TransferFailed), "x|after an error reply"),
 ])
 def test_single_op_bad_or_missing_reply_breaks_the_stream(
         served: Served, tmp_path: Path, kind: str, reply: Callable[[wire.Header], bytes],
-        error: type, words: str) -> None:
+        error: type | tuple[type, ...], words: str) -> None:
     """The single-op path checks a reply that is not the expected OK fully; a wrong one,
     or the peer leaving before the reply is complete, fails the op and drops the stream."""
     info = served.add(1)
@@ -648,6 +651,49 @@ def test_single_op_accepts_a_run_reply_of_one_and_refusals_touch_nothing(
         transport.transfer(TransferOp.READ, [Item(0, local.addr, info, info.base, 100)],
                            deadline())
         assert bytes(local.view()[:100]) == served.bytes_of(1)[:100]
+    finally:
+        transport.close()
+        cleanup()
+
+
+def test_single_op_reply_arriving_in_pieces(served: Served, tmp_path: Path, kind: str) -> None:
+    """A lone op's reply dribbled a few bytes per send: the header, a small READ's data
+    (read with its header into the scratch, then straight into place) and error text all
+    arrive whole; a larger READ takes the exact-read path."""
+    info = served.add(1)
+    rng = random.Random(11)
+
+    def answer(conn: socket.socket, header: wire.Header) -> None:
+        if header.addr != info.base:
+            reply = wire.error_reply(header.request_id, wire.Reason.OUT_OF_RANGE, "not there")
+        elif header.opcode == wire.Op.READ:
+            reply = wire.ok_reply(header.request_id, header.length) + \
+                served.bytes_of(1)[:header.length]
+        else:
+            reply = wire.ok_reply(header.request_id)
+        if kind == "tcp":
+            dribble(conn, reply, rng)
+        else:
+            for pos in range(0, len(reply), 5):
+                conn.sendall(reply[pos:pos + 5])
+
+    address, cleanup = scripted_server(kind, tmp_path, answer)
+    transport = SocketTransport(address)
+    local = ShmSegment(1 << 16)
+    try:
+        for size in (100, 4096, 40_000):
+            local.view()[:] = bytes(local.length)
+            transport.transfer(TransferOp.READ, [Item(0, local.addr, info, info.base, size)],
+                               deadline())
+            assert bytes(local.view()[:size]) == served.bytes_of(1)[:size]
+            assert bytes(local.view()[size:]) == bytes(local.length - size)
+            transport.transfer(TransferOp.WRITE, [Item(0, local.addr, info, info.base, size)],
+                               deadline())
+            with pytest.raises(errors.OutOfRange, match="not there") as exc:
+                transport.transfer(TransferOp.READ,
+                                   [Item(2, local.addr, info, info.base + 8, size)], deadline())
+            assert exc.value.failed == [2]
+            assert bytes(local.view()[:size]) == served.bytes_of(1)[:size]
     finally:
         transport.close()
         cleanup()

@@ -64,6 +64,7 @@ _STRIPE_ALIGN = 64 << 10  # lane boundaries fall on multiples of this (within th
 # by the socket's timeout; a unix send this small fits in an idle stream's buffer without
 # waiting. Larger ops are not latency-bound and keep the poll loop.
 SINGLE_MAX = 64 << 10
+_COPY_MAX = 16 << 10  # a lone READ up to this size is read with its reply header (one call)
 _LANE_GRACE_S = 5.0  # how long past the deadline a helper lane may take to report
 
 Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias on 3.10
@@ -212,8 +213,10 @@ class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.proto = wire.ClientProtocol()
+        self._fd = sock.fileno()
         self._poll = select.poll()
-        self._poll.register(sock.fileno(), select.POLLIN)
+        self._poll.register(self._fd, select.POLLIN)
+        self._events = select.POLLIN  # what _poll waits for now
         self._scratch = bytearray(_SCRATCH)
         self._view = memoryview(self._scratch)
         self._head = self._view[:wire.HEADER_SIZE]  # where a single op's reply header lands
@@ -234,7 +237,9 @@ class _Connection:
 
     def is_stale(self) -> bool:
         """An idle stream has nothing to read; EOF, a reset or stray bytes mean it is dead."""
-        self._poll.modify(self.sock.fileno(), select.POLLIN)
+        if self._events != select.POLLIN:
+            self._events = select.POLLIN
+            self._poll.modify(self._fd, select.POLLIN)
         return bool(self._poll.poll(0))
 
     def abort(self) -> None:
@@ -260,34 +265,40 @@ class _Connection:
         sock = self.sock
         try:
             self._arm(deadline)
-            buffers = [header, local] if opcode == _WRITE else [header]
+            buffers = (header, local) if opcode == _WRITE else (header,)
             try:
                 sent = sock.sendmsg(buffers)
             except BlockingIOError:  # SO_SNDTIMEO passed with nothing sent
                 sent = 0
             if sent != wire.HEADER_SIZE + (length if opcode == _WRITE else 0):
                 self._send_rest(buffers, sent, deadline)
-            head = self._head
+            # a small READ's data is read with its header, into the scratch, and copied
+            # out once the header said OK: a copy of a few KiB beats a second system call
+            more = length if opcode == _READ and length <= _COPY_MAX else 0
             try:
-                got = sock.recv_into(head, wire.HEADER_SIZE, _WAITALL)
+                got = sock.recv_into(self._view, wire.HEADER_SIZE + more,
+                                     0 if more else _WAITALL)
             except BlockingIOError:  # SO_RCVTIMEO passed with nothing read
                 got = -1
-            if got != wire.HEADER_SIZE:  # cut short by a timeout, EOF or a signal
-                self._recv_rest(head, deadline, got)
+            if got < wire.HEADER_SIZE:  # cut short by a timeout, EOF or a signal
+                self._recv_rest(self._head, deadline, got)
+                got = wire.HEADER_SIZE
+            got -= wire.HEADER_SIZE  # the bytes after the header
             if self._scratch.startswith(ok):
                 self.proto.answered_ok()
             else:
-                reply = self.proto.on_reply_header(head)
+                reply = self.proto.on_reply_header(self._head)
                 if reply.flags & wire.FLAG_ERROR_TEXT:
+                    if got > reply.length:
+                        raise wire.ProtocolError(wire.Reason.BAD_FRAME,
+                                                 "bytes after an error reply")
                     text = self._view[wire.HEADER_SIZE:wire.HEADER_SIZE + reply.length]
-                    self._recv_rest(text, deadline)
+                    self._recv_rest(text, deadline, got)
                     self.replied = 1
                     return wire.reply_error(reply, bytes(text))
             if opcode == _READ:
-                try:
-                    got = sock.recv_into(local, length, _WAITALL)
-                except BlockingIOError:
-                    got = -1
+                if got:  # came with the header (never more than asked: `length`)
+                    local[:got] = self._view[wire.HEADER_SIZE:wire.HEADER_SIZE + got]
                 if got != length:
                     self._recv_rest(local, deadline, got)
         except (OSError, wire.ProtocolError) as exc:
@@ -313,9 +324,9 @@ class _Connection:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self._armed = value
 
-    def _send_rest(self, buffers: list[Buffer], sent: int, deadline: float) -> None:
+    def _send_rest(self, buffers: Sequence[Buffer], sent: int, deadline: float) -> None:
         """Finish a blocking send that `sendmsg` cut short after `sent` bytes."""
-        out = BufferQueue(buffers)
+        out = BufferQueue(list(buffers))
         out.advance(sent)
         while out.left:
             self._arm(deadline)
@@ -509,7 +520,9 @@ class _Connection:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise self._lost("timeout", "deadline passed")
-        self._poll.modify(self.sock.fileno(), events)
+        if events != self._events:
+            self._events = events
+            self._poll.modify(self._fd, events)
         self._poll.poll(math.ceil(remaining * 1000))
 
 
@@ -573,7 +586,11 @@ class SocketTransport(Transport):
         self._connect_timeout = connect_timeout
         self._max_connections = max_connections
         self._frame_limit = frame_limit
-        self._cond = threading.Condition()
+        # the pool's lock, entered directly (a Condition's own __enter__ and notify are
+        # Python code: ~1 us per op); the Condition on it is for the rare waits only
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads waiting in _acquire for a connection
         self._idle: list[_Connection] = []
         self._live: set[_Connection] = set()
         self._opening = 0
@@ -661,7 +678,7 @@ class SocketTransport(Transport):
             raise refusals[0][1]
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
             busy = [conn for conn in self._live if conn not in idle]
@@ -790,7 +807,7 @@ class SocketTransport(Transport):
         thread per lane lets the copies run on several cores (READ 64 MiB: 0.7x -> 1.0x
         of a raw stream). Each lane's exchange is bounded by the deadline itself.
         """
-        with self._cond:
+        with self._lock:
             if self._closed:  # close() aborted these streams: every lane fails at once
                 return [_run_lane(conn, frames, deadline) for conn, frames in lanes]
             if self._helpers is None:
@@ -840,7 +857,7 @@ class SocketTransport(Transport):
         With wait=False (a striped transfer's extra lanes): None instead of waiting, when
         taking one would leave the pool no free connection, or when it cannot be opened.
         """
-        with self._cond:
+        with self._lock:
             while True:
                 if self._closed:
                     if not wait:
@@ -864,7 +881,11 @@ class SocketTransport(Transport):
                     raise TransferTimeout(
                         f"all {self._max_connections} data connections to {self.address} stayed "
                         "busy until the deadline", failed=indexes)
-                self._cond.wait(remaining)
+                self._waiting += 1
+                try:
+                    self._cond.wait(remaining)
+                finally:
+                    self._waiting -= 1
         conn: _Connection | None = None
         try:
             conn = self._connect(deadline)
@@ -875,11 +896,12 @@ class SocketTransport(Transport):
             exc.failed = indexes
             raise
         finally:
-            with self._cond:
+            with self._lock:
                 self._opening -= 1
                 if conn is not None and not self._closed:
                     self._live.add(conn)
-                self._cond.notify()
+                if self._waiting:
+                    self._cond.notify()
         if self._closed:
             self._release(conn, reusable=False)
             if not wait:
@@ -949,10 +971,11 @@ class SocketTransport(Transport):
         return conn
 
     def _release(self, conn: _Connection, *, reusable: bool) -> None:
-        with self._cond:
+        with self._lock:
             if reusable and not self._closed and conn in self._live:
                 self._idle.append(conn)
             else:
                 self._live.discard(conn)
                 conn.close()
-            self._cond.notify()
+            if self._waiting:
+                self._cond.notify()
