@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -24,6 +25,19 @@ from hixl.errors import ParamInvalid, PermissionDenied, ResourceExhausted
 
 PAGE_SIZE = mmap.PAGESIZE
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+#: The seals every memfd hixl maps must carry: a file that a holder of any fd on it could
+#: shrink would SIGBUS every process mapping it on its next access (the agent included).
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def size_sealed(fd: int) -> bool:
+    """True when the file behind `fd` can neither shrink nor grow (memfd seals)."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SIZE_SEALS == SIZE_SEALS
+    except OSError:  # not a sealable file (a pipe, a regular file on disk)
+        return False
 
 
 def round_up(n: int, to: int = PAGE_SIZE) -> int:
@@ -225,18 +239,24 @@ def _memfd_label(name: str) -> str:
 
 
 class ShmSegment(Mapping):
-    """A memfd-backed host segment owned by this process, mapped read-write once."""
+    """A memfd-backed host segment owned by this process, mapped read-write once.
+
+    Sealed against shrinking and growing before anyone else can get an fd on it, so no
+    peer holding one can truncate it under the processes that map it."""
 
     def __init__(self, length: int, name: str = "hixl") -> None:
         if type(length) is not int or length <= 0:
             raise ParamInvalid(f"segment size must be a positive integer, got {length!r}")
         size = round_up(length)
         try:
-            fd = os.memfd_create(_memfd_label(name), os.MFD_CLOEXEC)
+            fd = os.memfd_create(_memfd_label(name), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
             raise ResourceExhausted(f"memfd_create failed: {exc}") from None
         try:
             os.ftruncate(fd, size)
+            # F_SEAL_SEAL too: no holder of an fd may add seals of its own (a write seal
+            # would stop every peer mapping it writable)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
             super().__init__(fd, size, writable=True)
         except BaseException:
             os.close(fd)

@@ -23,6 +23,7 @@ old slot number reads another segment's id there and fails as it should.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import threading
@@ -30,6 +31,7 @@ import threading
 import numpy as np
 
 from hixl.errors import ResourceExhausted
+from hixl.memory import SIZE_SEALS
 
 WORD = 8
 #: Slots per agent: 8 MiB of sparse memfd (a page is allocated only once a slot on it is
@@ -42,9 +44,10 @@ class SegmentStates:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
-        self.fd = os.memfd_create("hixl-segment-states", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("hixl-segment-states", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, capacity * WORD)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
             self._mmap = mmap.mmap(self.fd, capacity * WORD, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(self.fd)

@@ -33,7 +33,7 @@ from hixl.errors import (
     ResourceExhausted,
     StaleEpoch,
 )
-from hixl.memory import FdGrant, Mapping, ShmSegment, round_up
+from hixl.memory import FdGrant, Mapping, ShmSegment, round_up, size_sealed
 from hixl.segment_states import SegmentStates
 from hixl.table import AddressTable, check_range
 from hixl.types import MemType, Perm, SegmentInfo, check_allowed_engines
@@ -46,6 +46,12 @@ Listener = Callable[[str, list[SegmentInfo]], None]
 ADDED = "ADDED"
 REMOVED = "REMOVED"
 
+
+#: Why an unsealed fd is refused, and how to make one that is accepted.
+UNSEALED = ("{what}: the file is not sealed against shrinking and growing: anyone holding "
+            "an fd on it could truncate it under the agent, which would then crash (SIGBUS) "
+            "on its next access; create it with memfd_create(MFD_ALLOW_SEALING) and add "
+            "F_SEAL_SHRINK | F_SEAL_GROW after sizing it (hixl.memory.ShmSegment does)")
 
 EPOCH_ORIGIN_S = 1_767_225_600  # 2026-01-01T00:00:00Z
 
@@ -258,6 +264,8 @@ class Agent:
             raise ParamInvalid(f"register_fd: fd {fd} is not usable: {exc.strerror}") from None
         if not stat.S_ISREG(st.st_mode):
             raise ParamInvalid("register_fd: the fd is not a memfd or regular shm file")
+        if not size_sealed(fd):
+            raise ParamInvalid(UNSEALED.format(what="register_fd"))
         if st.st_size < length:
             raise ParamInvalid(
                 f"register_fd: the file holds {st.st_size} bytes, fewer than length {length}")

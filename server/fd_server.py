@@ -40,7 +40,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hixl.errors import HixlError, ParamInvalid, PermissionDenied, ResourceExhausted
-from hixl.server.agent import Agent
+from hixl.memory import size_sealed
+from hixl.server.agent import UNSEALED, Agent
 from hixl.server.data_server import Peer
 
 log = logging.getLogger("hixl.fd_server")
@@ -333,6 +334,8 @@ class FdServer:
             st = os.fstat(fds[0])
             if not stat.S_ISREG(st.st_mode):
                 raise ParamInvalid("deposit: the fd is not a memfd or shm file")
+            if not size_sealed(fds[0]):
+                raise ParamInvalid(UNSEALED.format(what="deposit"))
             if st.st_size < length:
                 raise ParamInvalid(
                     f"deposit: the file holds {st.st_size} bytes, fewer than length {length}")
