@@ -8,7 +8,9 @@ memory (`recv_into`, MSG_WAITALL: one system call per payload). READ data is sen
 out of the segment (`sendmsg`). Blocking threads beat an event loop here: bulk receive is
 one kernel call, with no readiness round trips. Accepted requests in a row are answered
 by one run reply (`hixl.wire`), and replies are gathered and flushed together before the
-thread would block, so a pipelined batch of small ops costs few system calls.
+thread would block, so a pipelined batch of small ops costs few system calls. A request
+that arrives alone (the last read drained the socket, nothing is gathered) is answered at
+once, in one `sendmsg`, without the run bookkeeping: the path of latency-bound small ops.
 
 Authentication: with a cluster token, a connection is served only after the HELLO /
 CHALLENGE / AUTH exchange of `hixl.wire` proved the token; a wrong or missing proof gets a

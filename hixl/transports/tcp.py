@@ -4,11 +4,15 @@ One transfer owns one connection from a small pool (callers in other threads nev
 a stream). It sends every request frame of the batch — WRITE payloads gathered straight
 from local memory with `sendmsg` — while it reads the replies, READ data landing straight
 in local memory (a run reply's data, many ops' worth, with one `recvmsg_into` scatter
-list): no user-space staging copy either way. The socket is
-non-blocking and driven by one `poll` loop, so sending and receiving interleave and the
+list): no user-space staging copy either way (but for a lone READ of at most 16 KiB,
+read with its reply header and copied once). A batch is driven by one `poll` loop
+whose every socket call passes MSG_DONTWAIT, so sending and receiving interleave and the
 two socket buffers can never deadlock each other, and every wait uses what is left of
-the caller's deadline. A large batch over TCP is striped: cut into contiguous byte ranges
-run at once on several pooled connections, one thread each (SocketTransport.transfer).
+the caller's deadline. A lone op up to SINGLE_MAX is one frame sent with one blocking
+`sendmsg` and answered by blocking reads (no readiness round trip: most of a small op's
+cost), each call bounded by SO_RCVTIMEO/SO_SNDTIMEO set from the deadline. A large batch
+over TCP is striped: cut into contiguous byte ranges run at once on several pooled
+connections, one thread each (SocketTransport.transfer).
 """
 
 from __future__ import annotations
@@ -250,8 +254,9 @@ class _Connection:
     def single(self, opcode: int, segment_id: int, epoch: int, addr: int,
                local: memoryview, deadline: float) -> HixlError | None:
         """One WRITE or READ frame with blocking calls: the request (header and payload)
-        in one `sendmsg`, then the reply header read exactly, then a READ's data straight
-        into `local`. Returns the refusal, if any.
+        in one `sendmsg`, then the reply: its header read exactly, then a READ's data
+        straight into `local` (up to _COPY_MAX, the data is read with the header into the
+        scratch and copied once the header says OK). Returns the refusal, if any.
 
         Why not the poll loop: a single frame cannot deadlock (the agent reads all of it
         before it answers), and for a small op the readiness round trips and the
