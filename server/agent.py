@@ -101,7 +101,9 @@ class Agent:
         self._ids = itertools.count(1)
         self._charged = 0
         self._listeners: list[Listener] = []
-        self._deferred: list[Mapping] = []  # mappings still viewed by an in-flight transfer
+        # mappings still viewed by a data connection, each with the pool bytes it still
+        # holds: charged to pool_max_bytes until the pages are really gone
+        self._deferred: list[tuple[Mapping, int]] = []
         #: one liveness word per shareable segment, mapped read-only by same-node peers
         self.states = SegmentStates()
         self._closed = False
@@ -186,6 +188,7 @@ class Agent:
         perms = _check_perms(perms)
         allowed = check_allowed_engines(allowed_engines)
         rounded = round_up(size)
+        self._retry_deferred()  # memory whose last view has gone since counts as free again
         with self._lock:
             self._check_open()
             if budgeted:
@@ -298,12 +301,11 @@ class Agent:
             del self._served[segment_id]
             del self._entries[segment_id]
             self._table.remove(entry.info.base)
-            self._charged -= entry.charged
             self._counters["deregistrations"] += 1
             self._notify(REMOVED, [entry.info])
-            info, owned, entry.owned = entry.info, entry.owned, []
+            info, owned, charged, entry.owned = entry.info, entry.owned, entry.charged, []
             del entry  # drop our view of the memory, or the unmap below would be refused
-        self._release_all(owned)
+        self._release_all(owned, charged)
         return info
 
     def export_fd(self, segment_id: int, epoch: int, writable: bool, engine: str = "") -> int:
@@ -360,10 +362,11 @@ class Agent:
             self._table.clear()
             self._listeners.clear()
             self._charged = 0
+            self._deferred = [(mapping, 0) for mapping, _ in self._deferred]
             self.states.close()  # every mapped peer sees every segment gone
         owned = [item for entry in entries for item in entry.owned]
         del entries
-        self._release_all(owned)
+        self._release_all(owned, 0)
         self._retry_deferred()
 
     # ------------------------------------------------------------ internals
@@ -413,22 +416,35 @@ class Agent:
         with self._lock:
             self._counters[name] += 1
 
-    def _release_all(self, owned: list[Any]) -> None:
+    def _release_all(self, owned: list[Any], charged: int) -> None:
+        """Close and unmap what a segment owned, and give its `charged` pool bytes back
+        once its memory is really gone: a mapping a data connection still views is kept
+        (with its charge) until a later retry finds it free."""
         for item in owned:
             if isinstance(item, int):
                 with contextlib.suppress(OSError):
                     os.close(item)
             elif not _release(item):
                 with self._lock:
-                    self._deferred.append(item)
+                    self._deferred.append((item, charged))
+                charged = 0
+        if charged:
+            with self._lock:
+                self._charged -= charged
 
     def _retry_deferred(self) -> None:
         with self._lock:
             pending, self._deferred = self._deferred, []
-        still = [m for m in pending if not _release(m)]
-        if still:
-            with self._lock:
-                self._deferred.extend(still)
+        freed = 0
+        still = []
+        for mapping, charged in pending:
+            if _release(mapping):
+                freed += charged
+            else:
+                still.append((mapping, charged))
+        with self._lock:
+            self._charged -= freed
+            self._deferred.extend(still)
 
 
 def _release(mapping: Mapping) -> bool:

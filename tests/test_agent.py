@@ -296,3 +296,27 @@ def test_close_releases_and_refuses(agent: Agent) -> None:
         agent.allocate(PAGE_SIZE)
     agent.close()
 
+
+
+def test_memory_still_viewed_stays_charged_until_its_pages_are_gone(agent: Agent) -> None:
+    """allocate -> a data connection views it -> deregister: the pages stay mapped while
+    viewed, so they stay charged to pool_max_bytes; a loop of these cannot pin more than
+    the budget. Once the view is dropped, the next allocation finds the bytes free."""
+    info = agent.allocate(12 * PAGE_SIZE)
+    served = agent.resolve(info.segment_id)
+    assert served is not None
+    view = served.memory[:PAGE_SIZE]  # what a connection mid-transfer holds
+    del served
+    agent.deregister(info.segment_id)
+    counters = agent.counters()
+    assert counters["deferred_unmaps"] == 1
+    assert counters["pool_bytes_charged"] == 12 * PAGE_SIZE  # not credited back yet
+    with pytest.raises(ResourceExhausted, match="only 16384 of pool_max_bytes"):
+        agent.allocate(8 * PAGE_SIZE)
+    view.release()
+    del view
+    again = agent.allocate(8 * PAGE_SIZE)  # the retry found the old pages gone
+    counters = agent.counters()
+    assert counters["deferred_unmaps"] == 0 and counters["pool_bytes_charged"] == 8 * PAGE_SIZE
+    agent.deregister(again.segment_id)
+    assert agent.counters()["pool_bytes_charged"] == 0
