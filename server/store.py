@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import regex
+from regex import _regex_core
 
 from hixl.errors import ConfigError
 from hixl.registry_client import EngineEndpoints
@@ -96,21 +97,93 @@ MAX_U64 = (1 << 64) - 1
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")
 MAX_LIST_KEYS = 10_000                        # keys one list_keys reply carries at most
 #: what compiling a client's pattern raises: regex.error, and for a repeat count past the
-#: engine's limit or deep nesting, the other two
-_BAD_REGEX = (regex.error, TypeError, OverflowError, RecursionError)
+#: engine's limit, conflicting flags, a named list (none is given) or deep nesting, the others
+_BAD_REGEX = (regex.error, TypeError, ValueError, OverflowError, RecursionError, KeyError)
 #: how long one remove_by_regex / list_keys may spend matching keys, in all. Patterns
 #: come from clients: `regex` (unlike `re`) takes a timeout and releases the GIL while
 #: matching, so a catastrophically backtracking pattern ("(\\w*)*\\d$") fails the call
 #: with INVALID_PARAMS instead of freezing every thread of the master.
 REGEX_BUDGET_S = 1.0
+#: the longest pattern a client may send (characters): as long as the longest key.
+MAX_REGEX_CHARS = MAX_KEY_BYTES
+#: the most pattern items compiling a client's pattern may unroll. The timeout above does
+#: not cover compiling: `regex` unrolls counted repeats, so `(?:a{1000}){3000}` (18
+#: bytes) is 3 million items, ~800 MiB of the master's memory for seconds. The weight
+#: of a pattern is its parsed items, each counted repeat multiplying what it repeats by
+#: its largest finite count; at this bound compiling peaks at ~2-12 MiB and a pattern
+#: for three 64-hex-digit path parts weighs under a thousand.
+MAX_REGEX_WEIGHT = 10_000
 
 
 class _RegexTooSlow(Exception):
     """A client's pattern used up REGEX_BUDGET_S."""
 
 
+class _RegexRefused(Exception):
+    """A client's pattern that must not be compiled; the message names it and why."""
+
+
+def _shown(pattern: str) -> str:
+    """The pattern for a message: its repr, cut (it may be MAX_REGEX_CHARS long)."""
+    return repr(pattern) if len(pattern) <= 80 else repr(pattern[:80]) + "..."
+
+
+def _regex_weight(pattern: str) -> int:
+    """The pattern's weight (see MAX_REGEX_WEIGHT), from `regex`'s own parser, which
+    costs memory in proportion to the pattern's length, not to its repeats. The parser
+    is the package's internal one, as `regex.compile` drives it: reading the syntax with
+    any other parser could disagree with it about what a repeat applies to."""
+    global_flags = 0
+    while True:
+        source = _regex_core.Source(pattern)
+        info = _regex_core.Info(global_flags, source.char_type, {})
+        info.guess_encoding = _regex_core.UNICODE
+        try:
+            return _node_weight(_regex_core._parse_pattern(source, info))
+        except _regex_core._UnscopedFlagSet:   # a global flag: parsed again with it
+            global_flags = info.global_flags
+
+
+def _node_weight(node: object) -> int:
+    """1 per parsed item and what it holds; a repeat multiplies its body by its largest
+    finite count (`regex` unrolls the minimum; the maximum bounds that safely)."""
+    if isinstance(node, (list, tuple)):
+        return sum(_node_weight(item) for item in node)
+    if isinstance(node, dict):                  # a fuzzy constraint's test item
+        return sum(_node_weight(item) for item in node.values())
+    if not isinstance(node, _regex_core.RegexBase):
+        return 0
+    inner = sum(_node_weight(value) for name, value in vars(node).items() if name != "info")
+    if isinstance(node, (_regex_core.GreedyRepeat, _regex_core.LazyRepeat,
+                         _regex_core.PossessiveRepeat)):
+        inner *= max(node.min_count, node.max_count or 0, 1)
+    return 1 + inner
+
+
 def _compile_regex(pattern: str) -> Any:
-    return regex.compile(pattern)
+    """Compile a client's pattern within MAX_REGEX_CHARS and MAX_REGEX_WEIGHT, or raise
+    _RegexRefused (a bad pattern: one of _BAD_REGEX). Never cached: a compiled pattern
+    can hold megabytes, and `regex` keeps up to 500 of them, so distinct client
+    patterns would pin gigabytes; regex.purge() also drops the per-pattern entry
+    `regex` records even for patterns it does not cache."""
+    if len(pattern) > MAX_REGEX_CHARS:
+        raise _RegexRefused(f"regex {_shown(pattern)} is {len(pattern)} characters, more than "
+                            f"the {MAX_REGEX_CHARS} a pattern may have: shorten it")
+    weight = _regex_weight(pattern)
+    if weight > MAX_REGEX_WEIGHT:
+        raise _RegexRefused(
+            f"regex {_shown(pattern)} would unroll to {weight} items, more than the "
+            f"{MAX_REGEX_WEIGHT} a pattern may (counted repeats multiply what they repeat): "
+            "use fewer or smaller counted repeats, e.g. * or + for long runs")
+    try:
+        return regex.compile(pattern, cache_pattern=False)
+    finally:
+        regex.purge()
+
+
+def _refusal(pattern: str, exc: Exception) -> str:
+    """The INVALID_PARAMS message for a pattern _compile_regex did not compile."""
+    return str(exc) if isinstance(exc, _RegexRefused) else f"bad regex {_shown(pattern)}: {exc}"
 
 
 def _matching(pattern: Any, keys: Iterable[str], budget: float = REGEX_BUDGET_S) -> list[str]:
@@ -130,7 +203,7 @@ def _matching(pattern: Any, keys: Iterable[str], budget: float = REGEX_BUDGET_S)
 
 
 def _too_slow(pattern: str, keys: int) -> str:
-    return (f"regex {pattern!r} took more than {REGEX_BUDGET_S:g} s to match {keys} keys "
+    return (f"regex {_shown(pattern)} took more than {REGEX_BUDGET_S:g} s to match {keys} keys "
             "(nested repeats backtrack exponentially): simplify it")
 
 
@@ -690,8 +763,8 @@ class ObjectStore:
         REGEX_BUDGET_S."""
         try:
             compiled = _compile_regex(pattern)
-        except _BAD_REGEX as exc:
-            return CountResult(ErrorCode.INVALID_PARAMS, 0, f"bad regex {pattern!r}: {exc}")
+        except (_RegexRefused, *_BAD_REGEX) as exc:
+            return CountResult(ErrorCode.INVALID_PARAMS, 0, _refusal(pattern, exc))
         with self._lock:
             keys = list(self._objects)
         try:
@@ -727,8 +800,8 @@ class ObjectStore:
         """
         try:
             compiled = _compile_regex(pattern)
-        except _BAD_REGEX as exc:
-            return KeyListing(ErrorCode.INVALID_PARAMS, message=f"bad regex {pattern!r}: {exc}")
+        except (_RegexRefused, *_BAD_REGEX) as exc:
+            return KeyListing(ErrorCode.INVALID_PARAMS, message=_refusal(pattern, exc))
         cap = MAX_LIST_KEYS if limit <= 0 else min(limit, MAX_LIST_KEYS)
         with self._lock:
             self._sweep_locked()

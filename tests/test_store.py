@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import tracemalloc
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from hixl.errors import ConfigError
 from hixl.server.metadata import Journal, read_journal
 from hixl.server.store import (
     ALIGNMENT,
+    MAX_REGEX_CHARS,
+    MAX_REGEX_WEIGHT,
     ObjectStore,
     OffsetAllocator,
     StoreOptions,
@@ -473,6 +476,58 @@ def test_a_backtracking_regex_is_refused_and_changes_nothing(store: ObjectStore)
     # an ordinary pattern over the same keys still works
     assert store.remove_by_regex(r"_\d$", force=True).count == 1
     assert store.exist_keys(keys) == [ErrorCode.OK, ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND]
+
+
+def test_a_regex_that_would_unroll_past_the_bound_is_refused_before_compiling(
+        store: ObjectStore) -> None:
+    """`(?:a{1000}){3000}` is 18 bytes that `regex` would unroll into 3 million items
+    (~800 MiB for seconds; the match timeout does not cover compiling): refused with
+    INVALID_PARAMS naming the pattern and the bound, before any of it is built."""
+    store.mount_segment("owner", seg("a"))
+    put(store, "a" * 10, 10)
+    evil = "(?:a{1000}){3000}"
+    tracemalloc.start()
+    try:
+        listed = store.list_keys(evil)
+        removed = store.remove_by_regex(evil, force=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * MiB, peak
+    for message in (listed.message, removed.message):
+        assert repr(evil) in message and str(MAX_REGEX_WEIGHT) in message, message
+    assert (listed.code, removed.code, removed.count) == (ErrorCode.INVALID_PARAMS,) * 2 + (0,)
+    # a bounded maximum is bounded too (`regex` unrolls the minimum; the check does not
+    # rely on that), and the same body under the bound compiles and matches
+    assert store.list_keys("(?:a{0,1000}){0,1000}").code == ErrorCode.INVALID_PARAMS
+    assert [k.key for k in store.list_keys("^(?:a{5}){2}$").keys] == ["a" * 10]
+    assert store.exist_keys(["a" * 10]) == [ErrorCode.OK]
+
+
+def test_a_regex_longer_than_a_key_is_refused_naming_the_bound(store: ObjectStore) -> None:
+    long = "x" * (MAX_REGEX_CHARS + 1)
+    listed = store.list_keys(long)
+    assert listed.code == ErrorCode.INVALID_PARAMS
+    assert str(MAX_REGEX_CHARS) in listed.message and "shorten it" in listed.message
+    assert len(listed.message) < 400                                  # the pattern is cut
+    assert store.list_keys("x" * MAX_REGEX_CHARS).code == ErrorCode.OK
+
+
+def test_client_patterns_are_not_cached(store: ObjectStore) -> None:
+    """`regex` caches up to 500 compiled patterns and one near the weight bound holds
+    megabytes: distinct client patterns would pin gigabytes. After 20 distinct ones
+    (~70 MiB if cached), the master's Python heap holds next to nothing more."""
+    store.mount_segment("owner", seg("a"))
+    put(store, "k" * 10, 10)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20):
+            assert store.list_keys(f"(?:a{{90}}){{100}}x{i}").code == ErrorCode.OK
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < MiB, held
 
 
 # ---------------------------------------------------------------- clients and segments
