@@ -2,7 +2,9 @@
 sockets served by one thread of blocking I/O per connection.
 
 `ThreadPerConnection` owns the accept loop (a connection over `max_connections` is
-turned away; a failing accept, e.g. EMFILE, backs off instead of spinning), the live
+turned away; a failing accept, e.g. EMFILE, backs off instead of spinning; a connection
+whose thread cannot start — the process is out of threads — is closed and counted as
+`thread_start_failures`, logged once per burst, and the loop goes on accepting), the live
 connection threads (tracked, so `stop` can shut every socket down and wait for its
 thread, bounded), and how a connection's end is logged and counted: the peer leaving is
 quiet, a stall or a failure counts as a protocol error. Subclasses say what one
@@ -16,10 +18,43 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from hixl.transports.tcp import serve_blocking
 
 STOP_WAIT_S = 5.0  # stop(): longest wait for all threads to end
+BURST_QUIET_S = 10.0  # a repeated warning is logged once, then summed up at most this often
+
+
+class BurstLog:
+    """Logs the first of a burst of like events at once, then at most one line per
+    `quiet` seconds with how many happened since: a flood of refused connections
+    leaves a few lines in the log, not one per connection."""
+
+    def __init__(self, logger: logging.Logger, level: int = logging.WARNING,
+                 quiet: float = BURST_QUIET_S) -> None:
+        self._log = logger
+        self._level = level
+        self._quiet = quiet
+        self._last = -quiet
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def note(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self._quiet:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        if suppressed:
+            message += " (and %d more like it since the last such line)"
+            args = (*args, suppressed)
+        self._log.log(self._level, message, *args)
+
+
+def _start(thread: threading.Thread) -> None:
+    thread.start()
 
 
 class PeerGone(Exception):
@@ -37,8 +72,8 @@ class ThreadPerConnection:
     """Accept loop and per-connection threads; see the module docstring.
 
     Subclasses set `kind` ("data server"), `connection_kind` ("data connection") and
-    `thread_name`, keep a `counters` dict with "connections", "connections_rejected" and
-    "protocol_errors", call `_init_connections` in their constructor, put their listening sockets in
+    `thread_name`, keep a `counters` dict with "connections", "connections_rejected",
+    "thread_start_failures" and "protocol_errors", call `_init_connections` in their constructor, put their listening sockets in
     `_listeners` and call `_start_accepting`, and call `_stop_connections` from stop().
     """
 
@@ -49,7 +84,15 @@ class ThreadPerConnection:
     failure_level = logging.DEBUG  # a connection that failed other than by a stall
     counters: dict[str, int]
 
-    def _init_connections(self, max_connections: int, io_timeout: float) -> None:
+    def _init_connections(self, max_connections: int, io_timeout: float, *,
+                          start_thread: Callable[[threading.Thread], None] | None = None,
+                          ) -> None:
+        """`start_thread(thread)` starts a connection's thread (default: `thread.start()`);
+        a test passes one that raises RuntimeError, as `Thread.start` does when the
+        process cannot have another thread, to show the accept loop survives it."""
+        self._start_thread = start_thread or _start
+        self._refusals = BurstLog(self.log)
+        self._thread_failures = BurstLog(self.log, logging.ERROR)
         self._max_connections = max_connections
         self._io_timeout = io_timeout
         self._lock = threading.Lock()
@@ -106,21 +149,32 @@ class ThreadPerConnection:
                 time.sleep(0.05)
                 continue
             thread: threading.Thread | None = None
+            failure: BaseException | None = None
             with self._lock:  # decided once, so stop() never misses a thread
                 full = len(self._live) >= self._max_connections
                 if full:
                     self.counters["connections_rejected"] += 1
                 elif not self._stopping:
-                    self.counters["connections"] += 1
-                    self._accepted_locked(listener)
                     thread = threading.Thread(target=self._serve, args=(sock, peer or "unix"),
                                               daemon=True, name=self.thread_name)
-                    self._live[sock] = thread
-                    thread.start()
+                    try:
+                        self._start_thread(thread)  # under the lock: stop() joins only started threads
+                    except Exception as exc:  # noqa: BLE001 - RuntimeError: out of threads
+                        failure, thread = exc, None
+                        self.counters["thread_start_failures"] += 1
+                        self.counters["connections_rejected"] += 1
+                    else:
+                        self.counters["connections"] += 1
+                        self._accepted_locked(listener)
+                        self._live[sock] = thread
             if thread is None:
-                if full:
-                    self.log.warning("%s: turning a connection away, %d live is the maximum",
-                                self.kind, self._max_connections)
+                if failure is not None:
+                    self._thread_failures.note(
+                        "%s: closing a new connection, no thread could be started for it "
+                        "(%s); still accepting", self.kind, failure)
+                elif full:
+                    self._refusals.note("%s: turning a connection away, %d live is the maximum",
+                                        self.kind, self._max_connections)
                 sock.close()
 
     def _serve(self, sock: socket.socket, peer: object) -> None:
@@ -155,4 +209,4 @@ class ThreadPerConnection:
         """The connection on `sock` ended (lock held): drop what was kept for it."""
 
 
-__all__ = ["PeerGone", "Stalled", "ThreadPerConnection"]
+__all__ = ["BurstLog", "PeerGone", "Stalled", "ThreadPerConnection"]

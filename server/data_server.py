@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -80,9 +81,11 @@ class DataServer(ThreadPerConnection):
                  tcp_host: str | None = "127.0.0.1", tcp_port: int = 0,
                  unix_path: str | None = None, max_connections: int = 256,
                  io_timeout: float = 30.0, cluster_token: bytes | None = None,
-                 unix_mode: int = 0o660) -> None:
+                 unix_mode: int = 0o660,
+                 start_thread: Callable[[threading.Thread], None] | None = None) -> None:
         """`unix_mode`: the unix socket's file mode, set before it listens (so no one
-        outside it can connect in between)."""
+        outside it can connect in between). `start_thread`: starts each connection's
+        thread (default `Thread.start`; a test hook, see ThreadPerConnection)."""
         if tcp_host is None and unix_path is None:
             raise ConfigError("data server needs a TCP host or a unix socket path")
         if unix_path is not None and not os.path.isabs(unix_path):
@@ -94,18 +97,20 @@ class DataServer(ThreadPerConnection):
         self._unix_path = unix_path
         self._unix_inode: int | None = None
         self._unix_mode = unix_mode
-        self._init_connections(max_connections, io_timeout)
+        self._init_connections(max_connections, io_timeout, start_thread=start_thread)
         self._cluster_token = cluster_token
         self._connections: dict[socket.socket, _Connection] = {}  # for peers()
         self._tcp_address = ""
         #: bytes_written / ops_write: WRITE payloads received into segments; bytes_read /
         #: ops_read: READ data sent; refused: requests answered with an error; connections:
-        #: accepted in total; connections_rejected: turned away over max_connections;
+        #: accepted in total; connections_rejected: turned away (over max_connections, or
+        #: no thread could be started: thread_start_failures counts those too);
         #: protocol_errors: connections closed for a bad frame, a stall or an internal error;
         #: auth_failures: those of them refused for a wrong or missing cluster token
         self.counters: dict[str, int] = dict.fromkeys(
             ("bytes_written", "bytes_read", "ops_write", "ops_read", "refused", "connections",
-             "connections_rejected", "protocol_errors", "auth_failures"), 0)
+             "connections_rejected", "thread_start_failures", "protocol_errors",
+             "auth_failures"), 0)
         #: the same traffic per transport and direction, for metrics: ops and bytes (published
         #: with `counters`), the time per batch of replies, refusals by wire reason
         self.traffic = TrafficTable(TRANSPORTS)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
@@ -49,17 +51,20 @@ class StoreCallServer(ThreadPerConnection):
 
     def __init__(self, calls: StoreCalls, host: str = "127.0.0.1", port: int = 0, *,
                  cluster_token: bytes | None = None, max_connections: int = 1024,
-                 io_timeout: float = 30.0, leadership: Leadership | None = None) -> None:
+                 io_timeout: float = 30.0, leadership: Leadership | None = None,
+                 start_thread: Callable[[threading.Thread], None] | None = None) -> None:
         self._calls = calls
         self._leadership = leadership
         self._host = host
         self._port = port
         self._token = cluster_token
-        self._init_connections(max_connections, io_timeout)
-        #: connections accepted, turned away (over max_connections), closed for a bad
-        #: frame or a stall, refused for a wrong or missing token; calls served
+        self._init_connections(max_connections, io_timeout, start_thread=start_thread)
+        #: connections accepted, turned away (over max_connections, or no thread could be
+        #: started: thread_start_failures), closed for a bad frame or a stall, refused for
+        #: a wrong or missing token; calls served
         self.counters = dict.fromkeys(("connections", "connections_rejected",
-                                       "protocol_errors", "auth_failures", "calls"), 0)
+                                       "thread_start_failures", "protocol_errors",
+                                       "auth_failures", "calls"), 0)
 
     @property
     def port(self) -> int:
