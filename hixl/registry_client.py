@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,7 +31,7 @@ from hixl.control import (
     segment_from_pb,
     segments_from_columns,
 )
-from hixl.errors import HixlError, NotConnected, ParamInvalid
+from hixl.errors import ConfigError, HixlError, NotConnected, ParamInvalid
 from hixl.failover import Endpoints, TryNext, rpc_failure
 from hixl.tls import TlsSetting, client_tls
 from hixl.types import SegmentInfo
@@ -49,6 +55,11 @@ CLIENT_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
 
 #: leases whose granting address a client remembers (an agent holds one at a time)
 MAX_LEASES_KEPT = 64
+
+#: bytes of an engine's owner key, and of the per-engine secret it is derived from
+OWNER_KEY_SIZE = 32
+_OWNER_KEY_LABEL = b"hixl-owner-key-v1\0"
+_OWNER_VERIFIER_LABEL = b"hixl-owner-verifier-v1\0"
 
 _KIND_NAMES = {value: name for name, value in agent_pb2.SegmentEvent.Kind.items()}
 
@@ -142,6 +153,119 @@ def engine_info_to_pb(info: EngineInfo) -> agent_pb2.EngineInfo:
 def engine_info_from_pb(pb: agent_pb2.EngineInfo) -> EngineInfo:
     return EngineInfo(engine=pb.engine, node_id=pb.node_id, epoch=pb.epoch,
                       endpoints=endpoints_from_pb(pb.endpoints))
+
+
+# ------------------------------------------------------------------ engine ownership
+#
+# An engine name belongs to whoever first published it with an owner key: the registry
+# keeps SHA-256 of the key (`owner_verifier`) and takes later publishes, keepalives and
+# unpublishes of that name only with the same key. An agent derives its key from a random
+# per-engine secret kept in its state dir (mode 0600), so a restarted agent proves it at
+# once; the secret itself never leaves the node.
+
+
+def owner_key_from_secret(secret: bytes, engine: str) -> bytes:
+    """The owner key `engine` publishes with: HMAC-SHA256(secret, label | engine)."""
+    return hmac.new(secret, _OWNER_KEY_LABEL + engine.encode(), hashlib.sha256).digest()
+
+
+def owner_verifier(owner_key: bytes) -> bytes:
+    """What a registry stores of an owner key (SHA-256): it checks a key, cannot be one."""
+    return hashlib.sha256(_OWNER_VERIFIER_LABEL + owner_key).digest()
+
+
+def owner_secret_path(state_dir: str, engine: str) -> str:
+    """The file of `engine`'s secret in `state_dir`: the name made file-safe, plus a
+    digest of the exact name (names differing only in odd characters never share one)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", engine)[:100]
+    digest = hashlib.sha256(engine.encode()).hexdigest()[:12]
+    return os.path.join(state_dir, f"owner-{safe}-{digest}.key")
+
+
+def _check_state_dir(state_dir: str) -> None:
+    """Make `state_dir` (0700) if missing; refuse one another user owns or others may write."""
+    try:
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        info = os.stat(state_dir)
+    except OSError as exc:
+        raise ConfigError(f"state dir {state_dir}: cannot create or read it: "
+                          f"{exc.strerror or exc} (key 'state_dir')") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"state dir {state_dir} is not a directory (key 'state_dir')")
+    if info.st_uid != os.geteuid():
+        raise ConfigError(f"state dir {state_dir} belongs to uid {info.st_uid}, not to this "
+                          f"process (uid {os.geteuid()}): refusing to keep engine secrets "
+                          "there (key 'state_dir')")
+    if info.st_mode & 0o022:
+        raise ConfigError(f"state dir {state_dir} is writable by group or others (mode "
+                          f"{oct(stat.S_IMODE(info.st_mode))}): chmod go-w it (key "
+                          "'state_dir')")
+
+
+def _read_secret(path: str) -> bytes:
+    """The secret in `path`; ConfigError for a link, another owner, a loose mode or a bad size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ConfigError(f"engine secret {path}: cannot open it: {exc.strerror or exc} "
+                          "(a symlink is refused)") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"engine secret {path} is not a regular file")
+        if info.st_uid != os.geteuid():
+            raise ConfigError(f"engine secret {path} belongs to uid {info.st_uid}, not to this "
+                              f"process (uid {os.geteuid()}); refusing it")
+        if info.st_mode & 0o077:
+            raise ConfigError(f"engine secret {path} is accessible by group or others (mode "
+                              f"{oct(stat.S_IMODE(info.st_mode))}); refusing it: chmod 600 "
+                              "it if it is yours")
+        data = os.read(fd, OWNER_KEY_SIZE + 1)
+    finally:
+        os.close(fd)
+    if len(data) != OWNER_KEY_SIZE:
+        raise ConfigError(f"engine secret {path} holds {len(data)} bytes, not "
+                          f"{OWNER_KEY_SIZE}: not written by hixl (or truncated)")
+    return data
+
+
+def load_owner_secret(state_dir: str, engine: str) -> bytes:
+    """`engine`'s random secret from `state_dir`, made on first use: written to a private
+    temporary file (0600, fsynced) and hard-linked into place, so a reader never sees a
+    partial file and two agents racing for it end up with the same one."""
+    _check_state_dir(state_dir)
+    path = owner_secret_path(state_dir, engine)
+    with contextlib.suppress(FileNotFoundError):
+        return _read_secret(path)
+    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, secrets.token_bytes(OWNER_KEY_SIZE))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileExistsError):  # another process made it first: theirs
+            os.link(temporary, path)
+        dir_fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise ConfigError(f"engine secret {path}: cannot create it: "
+                          f"{exc.strerror or exc} (key 'state_dir')") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+    return _read_secret(path)
+
+
+def agent_owner_key(state_dir: str, engine: str) -> bytes:
+    """The owner key an agent named `engine` publishes with (its secret from `state_dir`)."""
+    return owner_key_from_secret(load_owner_secret(state_dir, engine), engine)
 
 
 class RegistryWatch:
@@ -238,6 +362,10 @@ class RegistryClient:
         self._closed = False
         #: lease id -> the address that granted it ("": any master, a shared scope)
         self._leases: dict[int, str] = {}
+        #: lease id -> the owner key it was published with (its keepalives prove it)
+        self._lease_keys: dict[int, bytes] = {}
+        #: engine -> the owner key this client made for it (publish without `owner_key`)
+        self._owner_keys: dict[str, bytes] = {}
         self._stub(self.endpoints.current())  # a bad first address fails here, not later
 
     @property
@@ -275,10 +403,21 @@ class RegistryClient:
 
     def publish(self, engine: str, node_id: str, epoch: int, segments: Sequence[SegmentInfo],
                 ttl_ms: int, timeout: float | None = None, *,
-                endpoints: EngineEndpoints | None = None) -> int:
-        """Publish `engine`'s whole table (and where it serves) under a lease; returns the lease id."""
+                endpoints: EngineEndpoints | None = None,
+                owner_key: bytes | None = None) -> int:
+        """Publish `engine`'s whole table (and where it serves) under a lease; returns the lease id.
+
+        `owner_key` proves the name is ours (agents pass the key of their state dir's
+        secret); None: a random key this client makes for `engine` on first use and keeps
+        (so this client, and only it, may publish the name again); b"": an unowned publish.
+        Keepalives and unpublishes of the lease prove the same key by themselves.
+        """
+        if owner_key is None:
+            with self._lock:
+                owner_key = self._owner_keys.setdefault(
+                    engine, secrets.token_bytes(OWNER_KEY_SIZE))
         request = agent_pb2.PublishRequest(engine=engine, node_id=node_id, epoch=epoch,
-                                           ttl_ms=ttl_ms)
+                                           ttl_ms=ttl_ms, owner_key=owner_key)
         add_segments(request.segments, segments)
         if endpoints is not None:
             request.endpoints.CopyFrom(endpoints_to_pb(endpoints))
@@ -294,8 +433,11 @@ class RegistryClient:
         with self._lock:
             self._leases.pop(reply.lease_id, None)
             self._leases[reply.lease_id] = "" if reply.lease_scope else granted[-1]
+            self._lease_keys[reply.lease_id] = owner_key
             while len(self._leases) > MAX_LEASES_KEPT:
-                del self._leases[next(iter(self._leases))]
+                oldest = next(iter(self._leases))
+                del self._leases[oldest]
+                self._lease_keys.pop(oldest, None)
         return reply.lease_id
 
     def _call_at(self, address: str, method: str, request: Any,
@@ -306,20 +448,36 @@ class RegistryClient:
         except grpc.RpcError as exc:
             raise rpc_failure(exc, what(address), error_from_rpc) from None
 
-    def keepalive(self, lease_id: int, timeout: float | None = None) -> int:
+    def _lease_key(self, lease_id: int, owner_key: bytes | None) -> bytes:
+        if owner_key is not None:
+            return owner_key
+        with self._lock:
+            return self._lease_keys.get(lease_id, b"")
+
+    def keepalive(self, lease_id: int, timeout: float | None = None, *,
+                  owner_key: bytes | None = None) -> int:
         """Extend the lease; returns its ttl in ms. NotConnected once it has expired (or
-        once calls moved to a master other than the one that granted it)."""
-        reply = self._call("KeepAlive", agent_pb2.KeepAliveRequest(lease_id=lease_id),
+        once calls moved to a master other than the one that granted it);
+        PermissionDenied for a lease published with another owner key. `owner_key` None:
+        the key this client published the lease with."""
+        request = agent_pb2.KeepAliveRequest(lease_id=lease_id,
+                                             owner_key=self._lease_key(lease_id, owner_key))
+        reply = self._call("KeepAlive", request,
                            lambda at: f"keepalive of lease {lease_id} at registry {at}",
                            timeout, lease=lease_id)
         return reply.ttl_ms
 
-    def unpublish(self, lease_id: int, timeout: float | None = None) -> None:
-        self._call("Unpublish", agent_pb2.UnpublishRequest(lease_id=lease_id),
+    def unpublish(self, lease_id: int, timeout: float | None = None, *,
+                  owner_key: bytes | None = None) -> None:
+        """Withdraw the lease now (same proof as keepalive)."""
+        request = agent_pb2.UnpublishRequest(lease_id=lease_id,
+                                             owner_key=self._lease_key(lease_id, owner_key))
+        self._call("Unpublish", request,
                    lambda at: f"unpublish of lease {lease_id} at registry {at}", timeout,
                    lease=lease_id)
         with self._lock:
             self._leases.pop(lease_id, None)
+            self._lease_keys.pop(lease_id, None)
 
     def query(self, engine: str = "", timeout: float | None = None) -> list[SegmentInfo]:
         """Segments of one engine ("" = every engine)."""

@@ -87,6 +87,18 @@ def default_runtime_dir() -> str:
     return f"/tmp/hixl-{os.getuid()}"
 
 
+def default_state_dir() -> str:
+    """/var/lib/hixl if this user may create or write it, else $XDG_STATE_HOME/hixl, else
+    ~/.local/state/hixl: a place that survives reboots (unlike runtime_dir)."""
+    if os.access("/var/lib/hixl", os.W_OK) or (
+            not os.path.exists("/var/lib/hixl") and os.access("/var/lib", os.W_OK)):
+        return "/var/lib/hixl"
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "hixl")
+    return os.path.join(os.path.expanduser("~"), ".local", "state", "hixl")
+
+
 def _default_uids() -> list[int]:
     return sorted({os.getuid(), 0})
 
@@ -289,6 +301,7 @@ class AgentConfig:
     data_port: int = 0
     data_unix: bool = True
     runtime_dir: str = field(default_factory=default_runtime_dir)
+    state_dir: str = field(default_factory=default_state_dir)
     node_id: str = field(default_factory=node_identity)
     pool: list[PoolEntry] = field(default_factory=list)
     pool_max_bytes: int = 1 << 30
@@ -323,6 +336,15 @@ class AgentConfig:
                             "Directory for the unix sockets (fd socket, unix data socket); "
                             "default /run/hixl if writable, else $XDG_RUNTIME_DIR/hixl, "
                             "else /tmp/hixl-<uid>.", "path"),
+        "state_dir": _key(_as_str,
+                          "Directory (0700, ours, not writable by others) for what must "
+                          "survive a restart: each engine name's secret (owner-<name>-"
+                          "<digest>.key, 0600), from which the agent proves to the registry "
+                          "that the name is its own, so a restarted agent takes it back at "
+                          "once and nobody else can publish it. Default /var/lib/hixl if "
+                          "writable, else $XDG_STATE_HOME/hixl, else ~/.local/state/hixl. "
+                          "Keep it across restarts and reboots. Unused with grpc_port 0 (a "
+                          "new name each start: its secret lives in memory only).", "path"),
         "node_id": _key(_as_str,
                         "This node's name and fabric domain; default hostname:boot-id "
                         "(8 chars). Agents with the same node_id map each other's segments.",
@@ -419,6 +441,9 @@ class AgentConfig:
         if not self.runtime_dir or not os.path.isabs(self.runtime_dir):
             raise ConfigError(
                 f"{where}: key 'runtime_dir' must be an absolute path, got {self.runtime_dir!r}")
+        if not self.state_dir or not os.path.isabs(self.state_dir):
+            raise ConfigError(
+                f"{where}: key 'state_dir' must be an absolute path, got {self.state_dir!r}")
         if not self.node_id:
             raise ConfigError(f"{where}: key 'node_id' must not be empty")
 

@@ -16,8 +16,15 @@ segments go and come back.
   master's election fence (a deposed leader writes nothing). The same epoch and TTL keep
   the agent's lease (refreshed first); a newer epoch is a restart: a new lease, and the
   old one is revoked after the txn. Lease ids are etcd's, valid on every master.
+- Ownership (issue 15): a name published with an owner key belongs to that key. The
+  key's verifier (SHA-256, never the key) rides in the stored value (`owner_verifier`,
+  so every master checks keepalives and unpublishes against it) and in a key of its own,
+  `<prefix>registry/owner/<engine>`, without a lease: it outlives the engine's lease, so
+  every master, now and after any failover, refuses the name to any other key until an
+  operator deletes that key (`release_owner`). A publish reads it (cached per master,
+  proven current by the txn's compare) and writes it on the first claim, in the same txn.
 - `keepalive` is one etcd keepalive of that lease; `unpublish` revokes it (etcd deletes
-  the key). etcd rounds a TTL up to whole seconds (and to its minimum, about 2 s).
+  the key); both only with the lease's owner key. etcd rounds a TTL up to whole seconds (and to its minimum, about 2 s).
 - What every engine sees (queries, `find`, the Watch stream) is the in-memory `Registry`
   this class extends, kept as a *mirror* of the prefix: loaded with one read, then fed
   by an etcd watch from the next revision, so nothing is missed between the two. Each
@@ -40,10 +47,18 @@ from typing import NamedTuple
 from google.protobuf.message import DecodeError
 
 from hixl.control import add_segments, segment_from_pb
-from hixl.errors import HixlError, NotConnected, ParamInvalid, ResourceExhausted, TransferFailed
+from hixl.errors import (
+    HixlError,
+    NotConnected,
+    ParamInvalid,
+    PermissionDenied,
+    ResourceExhausted,
+    TransferFailed,
+)
 from hixl.etcd import (
     MAX_TXN_BYTES,
     Compare,
+    Delete,
     EtcdClient,
     Get,
     Put,
@@ -57,6 +72,9 @@ from hixl.server.registry import (
     DEFAULT_MAX_TTL_MS,
     DEFAULT_WATCH_QUEUE_LIMIT,
     Registry,
+    check_owner_key,
+    refuse_lease,
+    refuse_owner,
     stale_publish,
 )
 from hixl.table import AddressTable
@@ -66,6 +84,8 @@ from hixl.v1 import agent_pb2
 log = logging.getLogger("hixl.registry")
 
 ENGINE_DIR = "registry/engine/"
+#: one key per owned engine name: the owner key's verifier (no lease: it outlives leases)
+OWNER_DIR = "registry/owner/"
 #: how often publish re-reads and retries when another write to the same engine won
 PUBLISH_ATTEMPTS = 8
 _FOREVER = math.inf  # a mirrored lease's deadline: etcd, not this clock, ends it
@@ -73,6 +93,11 @@ _FOREVER = math.inf  # a mirrored lease's deadline: etcd, not this clock, ends i
 
 def engine_key(engine: str) -> str:
     return ENGINE_DIR + key_part(engine)
+
+
+def owner_key_of(engine: str) -> str:
+    """The etcd key (under the prefix) that holds who owns `engine`'s name."""
+    return OWNER_DIR + key_part(engine)
 
 
 def lease_seconds(ttl_ms: int) -> int:
@@ -89,6 +114,14 @@ class _Seen(NamedTuple):
     lease: int
     epoch: int | None
     ttl_ms: int | None
+    owner: bytes = b""
+
+
+class _Owner(NamedTuple):
+    """What the owner key of an engine holds: its mod revision (0: absent) and verifier."""
+
+    mod_revision: int
+    verifier: bytes
 
 
 @dataclass(frozen=True)
@@ -102,6 +135,7 @@ class _Record:
     endpoints: EngineEndpoints
     segments: tuple[SegmentInfo, ...]
     table: AddressTable[SegmentInfo]
+    owner: bytes = b""
 
     @classmethod
     def decode(cls, registry: Registry, value: bytes) -> _Record:
@@ -109,7 +143,7 @@ class _Record:
         segments, table = registry._build_table(
             pb.engine, pb.epoch, (segment_from_pb(s) for s in pb.segments))
         return cls(pb.engine, pb.node_id, pb.epoch, pb.ttl_ms,
-                   endpoints_from_pb(pb.endpoints), segments, table)
+                   endpoints_from_pb(pb.endpoints), segments, table, pb.owner_verifier)
 
 
 class EtcdRegistry(Registry):
@@ -141,6 +175,9 @@ class EtcdRegistry(Registry):
         #: key -> (value, record) of a publish under way here: installed without decoding
         self._written: dict[str, tuple[bytes, _Record]] = {}
         self._revoking: set[int] = set()    # leases unpublished here (not expiries)
+        #: engine -> its owner key as this master last read or wrote it (the txn's
+        #: compare proves it current, else it is read again)
+        self._owner_seen: dict[str, _Owner] = {}
         self._closed = False
 
     @property
@@ -195,12 +232,15 @@ class EtcdRegistry(Registry):
 
     def publish(self, engine: str, node_id: str, epoch: int,
                 segments: Sequence[SegmentInfo], ttl_ms: int, *,
-                endpoints: EngineEndpoints | None = None) -> int:
+                endpoints: EngineEndpoints | None = None,
+                owner_key: bytes | None = None) -> int:
+        verifier = check_owner_key(f"publish {engine!r}", owner_key)
         endpoints, ordered, table = self._check_publish(engine, epoch, segments, ttl_ms,
                                                         endpoints)
         client = self._attached()
         pb = agent_pb2.PublishRequest(engine=engine, node_id=node_id, epoch=epoch,
-                                      ttl_ms=ttl_ms, endpoints=endpoints_to_pb(endpoints))
+                                      ttl_ms=ttl_ms, endpoints=endpoints_to_pb(endpoints),
+                                      owner_verifier=verifier)
         add_segments(pb.segments, ordered)
         value = pb.SerializeToString()
         if len(value) > MAX_TXN_BYTES:
@@ -209,7 +249,7 @@ class EtcdRegistry(Registry):
                 f"{len(value)} bytes, over the {MAX_TXN_BYTES} one etcd transaction carries "
                 "(the registry is on etcd): publish fewer, larger segments")
         key = engine_key(engine)
-        record = _Record(engine, node_id, epoch, ttl_ms, endpoints, ordered, table)
+        record = _Record(engine, node_id, epoch, ttl_ms, endpoints, ordered, table, verifier)
         if ttl_ms < self.switch_s * 1000 and engine not in self._warned_short:
             self._warned_short.add(engine)
             log.warning("registry: engine %r publishes with a %g s lease, shorter than the "
@@ -225,7 +265,13 @@ class EtcdRegistry(Registry):
                 # then from etcd itself
                 seen = (self._mirror_view(key, engine) if attempt == 0
                         else self._read_view(client, key))
-                lease_id = self._try_publish(client, key, record, seen, value)
+                owner = self._owner_view(client, engine, fresh=attempt > 0)
+                try:
+                    lease_id = self._try_publish(client, key, record, seen, value, owner)
+                except PermissionDenied:
+                    if attempt:
+                        raise
+                    continue  # refused on what this master remembered: read etcd, decide again
                 if lease_id:
                     return lease_id
         finally:
@@ -243,7 +289,7 @@ class EtcdRegistry(Registry):
             revision = self._mod_of.get(key, 0)
             if lease is None or not revision:
                 return None
-            return _Seen(revision, lease.lease_id, lease.epoch, lease.ttl_ms)
+            return _Seen(revision, lease.lease_id, lease.epoch, lease.ttl_ms, lease.owner)
 
     def _read_view(self, client: EtcdClient, key: str) -> _Seen | None:
         """What etcd holds for `key` now."""
@@ -253,13 +299,59 @@ class EtcdRegistry(Registry):
         record = self._decode(kv.key, kv.value)
         if record is None:
             return _Seen(kv.mod_revision, kv.lease, None, None)
-        return _Seen(kv.mod_revision, kv.lease, record.epoch, record.ttl_ms)
+        return _Seen(kv.mod_revision, kv.lease, record.epoch, record.ttl_ms, record.owner)
+
+    def _owner_view(self, client: EtcdClient, engine: str, *, fresh: bool) -> _Owner:
+        """Who owns `engine` (from this master's cache unless `fresh`, else read)."""
+        if not fresh:
+            with self._lock:
+                cached = self._owner_seen.get(engine)
+            if cached is not None:
+                return cached
+        kv = client.get(owner_key_of(engine))
+        owner = _Owner(kv.mod_revision, kv.value) if kv is not None else _Owner(0, b"")
+        self._remember_owner(engine, owner)
+        return owner
+
+    def _remember_owner(self, engine: str, owner: _Owner) -> None:
+        with self._lock:
+            self._owner_seen[engine] = owner
+            while len(self._owner_seen) > self.max_owners:  # a cache: re-read when dropped
+                del self._owner_seen[next(iter(self._owner_seen))]
+
+    def release_hint(self, engine: str) -> str:
+        client = self._client
+        prefix = client.prefix if client is not None else "<prefix>"
+        return (f"delete etcd key {prefix}{owner_key_of(engine)} once its lease has ended "
+                f"(EtcdRegistry.release_owner({engine!r}))")
+
+    def release_owner(self, engine: str) -> bool:
+        """Delete `engine`'s owner key on etcd, unless the engine has a live lease."""
+        client = self._attached()
+        key, okey = engine_key(engine), owner_key_of(engine)
+        result = client.txn([Compare.absent(key), *self._fence()], [Delete(okey), Get(okey)],
+                            [Get(key)])
+        with self._lock:
+            self._owner_seen.pop(engine, None)
+        if not result.succeeded:
+            if result.gets and result.gets[0]:
+                raise ParamInvalid(f"release of {engine!r}: it has a live lease; only an "
+                                   "ended lease's name can be released")
+            raise NotConnected(f"release of {engine!r}: this hixl-master is no longer the "
+                               "leader of the registry")
+        return True
 
     def _try_publish(self, client: EtcdClient, key: str, record: _Record,
-                     seen: _Seen | None, value: bytes) -> int:
+                     seen: _Seen | None, value: bytes, owner: _Owner) -> int:
         """One check-and-write round against `seen` (what the key holds, as far as we
-        know); the lease id, or 0 when the key was not that (read it and go again)."""
+        know) and `owner` (who owns the name); the lease id, or 0 when either was not
+        that (read them and go again)."""
         engine = record.engine
+        # the owner key decides; a live lease's own verifier too (its owner key deleted
+        # by hand while it lives)
+        held_owner = owner.verifier or (seen.owner if seen is not None else b"")
+        refuse_owner(engine, held_owner, record.owner, self.release_hint(engine))
+        claim = bool(record.owner) and not owner.verifier
         if seen is not None and seen.epoch is not None and record.epoch < seen.epoch:
             raise stale_publish(engine, record.epoch, seen.epoch)
         lease_id, fresh = 0, False
@@ -270,9 +362,15 @@ class EtcdRegistry(Registry):
             lease_id, fresh = client.grant(lease_seconds(record.ttl_ms), keepalive=False,
                                            owned=False).id, True
         expected = seen.mod_revision if seen is not None else 0
+        okey = owner_key_of(engine)
+        writes: list[Put | Get] = [Put(key, value, lease_id)]
+        if claim:
+            writes.append(Put(okey, record.owner))
         try:
-            result = client.txn([Compare.mod_revision_is(key, expected), *self._fence()],
-                                [Put(key, value, lease_id)], [Get(key)])
+            result = client.txn([Compare.mod_revision_is(key, expected),
+                                 Compare.mod_revision_is(okey, owner.mod_revision),
+                                 *self._fence()],
+                                writes, [Get(key), Get(okey)])
         except ParamInvalid as exc:
             if fresh or "lease not found" not in str(exc):
                 raise
@@ -280,28 +378,34 @@ class EtcdRegistry(Registry):
         if not result.succeeded:
             if fresh:
                 self._revoke_quietly(client, lease_id)
-            now = result.gets[0][0].mod_revision if result.gets and result.gets[0] else 0
-            if now == expected:
+            gets = result.gets
+            now = gets[0][0].mod_revision if gets and gets[0] else 0
+            owner_now = gets[1][0].mod_revision if len(gets) > 1 and gets[1] else 0
+            if (now, owner_now) == (expected, owner.mod_revision):
                 raise NotConnected(f"publish {engine!r}: this hixl-master is no longer the "
                                    "leader of the registry; publish to the leader")
             return 0
+        if claim:
+            self._remember_owner(engine, _Owner(result.revision, record.owner))
         if seen is not None and seen.lease and seen.lease != lease_id:
             self._revoke_quietly(client, seen.lease)  # the replaced agent's lease
         self._wait_applied(result.revision, f"publish {engine!r}")
         return lease_id
 
-    def keepalive(self, lease_id: int) -> int:
+    def keepalive(self, lease_id: int, *, owner_key: bytes | None = None) -> int:
+        verifier = check_owner_key(f"keepalive of lease {lease_id}", owner_key)
         client = self._attached()
-        ttl_ms = self._mirrored(lease_id)
+        ttl_ms = self._mirrored(lease_id, "keepalive", verifier)
         if client.refresh(lease_id) <= 0:
             raise NotConnected(f"lease {lease_id} expired or unknown; publish again")
         with self._lock:
             self.counters["keepalives"] += 1
         return ttl_ms
 
-    def unpublish(self, lease_id: int) -> None:
+    def unpublish(self, lease_id: int, *, owner_key: bytes | None = None) -> None:
+        verifier = check_owner_key(f"unpublish of lease {lease_id}", owner_key)
         client = self._attached()
-        self._mirrored(lease_id)
+        self._mirrored(lease_id, "unpublish", verifier)
         with self._lock:
             self._revoking.add(lease_id)
         client.revoke(lease_id)
@@ -352,7 +456,7 @@ class EtcdRegistry(Registry):
         self._mod_of[key] = revision
         self._install_locked(record.engine, record.node_id, record.epoch, record.ttl_ms,
                              _FOREVER, record.segments, record.table, record.endpoints,
-                             lease_id=lease_id)
+                             lease_id=lease_id, owner=record.owner)
 
     def _remove_locked(self, key: str) -> None:
         engine = self._engine_of.pop(key, None)
@@ -394,14 +498,16 @@ class EtcdRegistry(Registry):
                                "(not the leader, or shutting down)")
         return client
 
-    def _mirrored(self, lease_id: int) -> int:
+    def _mirrored(self, lease_id: int, what: str, verifier: bytes) -> int:
         """The TTL (ms) of mirrored lease `lease_id`; NotConnected when there is none
         (expired, revoked, or not a registry lease at all: this master refreshes and
-        revokes only the leases it publishes under)."""
+        revokes only the leases it publishes under); PermissionDenied when the caller's
+        owner key (`verifier`) is not the lease's."""
         with self._lock:
             lease = self._leases.get(lease_id)
         if lease is None:
             raise NotConnected(f"lease {lease_id} expired or unknown; publish again")
+        refuse_lease(what, lease_id, lease.engine, lease.owner, verifier)
         return lease.ttl_ms
 
     def _decode(self, key: str, value: bytes) -> _Record | None:

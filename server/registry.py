@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import itertools
+import hmac
 import logging
 import secrets
 import threading
@@ -33,16 +33,19 @@ from hixl.errors import (
     HixlError,
     NotConnected,
     ParamInvalid,
+    PermissionDenied,
     ResourceExhausted,
     StaleEpoch,
     TransferTimeout,
 )
 from hixl.registry_client import (
     NO_ENDPOINTS,
+    OWNER_KEY_SIZE,
     EngineEndpoints,
     EngineInfo,
     endpoints_from_pb,
     engine_info_to_pb,
+    owner_verifier,
 )
 from hixl.table import AddressTable, check_range
 from hixl.types import SegmentInfo
@@ -58,6 +61,9 @@ EXPIRE_EVERY_S = 0.1
 #: gRPC's 4 MiB default message limit (a Segment is ~60 bytes on the wire).
 SNAPSHOT_CHUNK = 8192
 MAX_EPOCH = (1 << 32) - 1  # the proto carries epochs as uint32
+#: engine names whose owner the in-memory registry remembers (names without a live lease
+#: are forgotten first, the longest-known first, once there are more)
+DEFAULT_MAX_OWNERS = 65_536
 
 #: A watch stream can sit idle for a long time; these let clients ping it (so a dead
 #: master is noticed) without the server treating the pings as abuse. Any gRPC server
@@ -231,6 +237,40 @@ def stale_publish(engine: str, epoch: int, held: int) -> StaleEpoch:
                       "already published for that engine (a newer agent replaced this one)")
 
 
+def check_owner_key(what: str, owner_key: object) -> bytes:
+    """The verifier of a caller's owner key (b"": none given); ParamInvalid for a malformed one."""
+    if owner_key is None or owner_key == b"":
+        return b""
+    if not isinstance(owner_key, bytes) or len(owner_key) != OWNER_KEY_SIZE:
+        size = len(owner_key) if isinstance(owner_key, bytes | bytearray) else type(owner_key)
+        raise ParamInvalid(f"{what}: an owner key is {OWNER_KEY_SIZE} bytes, got {size}")
+    return owner_verifier(owner_key)
+
+
+def refuse_owner(engine: str, owner: bytes, verifier: bytes, release: str) -> None:
+    """PermissionDenied unless `verifier` (the caller's) is `owner` (the name's; b"": none)."""
+    if not owner:
+        return
+    if not verifier:
+        raise PermissionDenied(
+            f"publish {engine!r}: that engine name has an owner, and this publish carries no "
+            "owner key (a client that predates owner keys?); only the agent holding the "
+            "name's secret may publish it")
+    if not hmac.compare_digest(owner, verifier):
+        raise PermissionDenied(
+            f"publish {engine!r}: that engine name is owned by another owner key: only the "
+            "agent that holds the name's secret (in its state dir) may publish, renew or "
+            "withdraw it. If this is that agent and it lost its state dir, an operator "
+            f"releases the name: {release}")
+
+
+def refuse_lease(what: str, lease_id: int, engine: str, owner: bytes, verifier: bytes) -> None:
+    """PermissionDenied unless the caller's key is the one lease `lease_id` was published with."""
+    if owner and not hmac.compare_digest(owner, verifier):
+        raise PermissionDenied(f"{what} of lease {lease_id}: that lease belongs to engine "
+                               f"{engine!r}, and this call does not carry its owner key")
+
+
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -247,6 +287,7 @@ class _Lease:
     segments: tuple[SegmentInfo, ...]          # in base order
     table: AddressTable[SegmentInfo]
     endpoints: EngineEndpoints = NO_ENDPOINTS
+    owner: bytes = b""  # the owner key's verifier; b"": an unowned lease
     _published: PublishedSegments | None = None
 
     @property
@@ -274,7 +315,8 @@ class Registry:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  max_ttl_ms: int = DEFAULT_MAX_TTL_MS,
-                 watch_queue_limit: int = DEFAULT_WATCH_QUEUE_LIMIT) -> None:
+                 watch_queue_limit: int = DEFAULT_WATCH_QUEUE_LIMIT,
+                 max_owners: int = DEFAULT_MAX_OWNERS) -> None:
         if max_ttl_ms <= 0:
             raise ParamInvalid(f"max_ttl_ms must be positive, got {max_ttl_ms}")
         if watch_queue_limit <= 0:
@@ -283,12 +325,12 @@ class Registry:
         self.max_ttl_ms = max_ttl_ms
         self._watch_queue_limit = watch_queue_limit
         self._lock = threading.Lock()
-        # Lease ids start at a random point, so a restarted registry never hands out a
-        # number its predecessor gave: an agent renewing its old lease there is told it
-        # is unknown (and publishes again), never renews another engine's lease.
-        self._lease_ids = itertools.count(secrets.randbits(52) + 1)
         self._leases: dict[int, _Lease] = {}
         self._by_engine: dict[str, _Lease] = {}
+        #: engine name -> its owner key's verifier, kept after its lease ends (so nobody
+        #: else takes the name) for the life of this registry, up to max_owners names
+        self._owners: dict[str, bytes] = {}
+        self.max_owners = max_owners
         self._subscribers: set[Subscription] = set()
         # A lower bound on every lease deadline (deadlines only move later), so lookups
         # skip the O(engines) expiry scan until something can actually have expired.
@@ -303,23 +345,73 @@ class Registry:
 
     def publish(self, engine: str, node_id: str, epoch: int,
                 segments: Sequence[SegmentInfo], ttl_ms: int, *,
-                endpoints: EngineEndpoints | None = None) -> int:
+                endpoints: EngineEndpoints | None = None,
+                owner_key: bytes | None = None) -> int:
         """Replace `engine`'s whole table (and its endpoints) under a lease; returns the lease id.
 
-        The same epoch keeps the lease (the agent's table changed); a newer epoch is a
-        restart and gets a new lease, revoking the old one; an older epoch is refused.
+        The name belongs to the first owner key it was published with: a publish without
+        that key is refused (PermissionDenied) whatever its epoch, while the lease lives
+        and after it ended. Then the same epoch keeps the lease (the agent's table
+        changed); a newer epoch is a restart and gets a new lease, revoking the old one;
+        an older epoch is refused (StaleEpoch). `owner_key` None (or b""): an unowned
+        publish, taken only for a name nobody owns.
         """
+        verifier = check_owner_key(f"publish {engine!r}", owner_key)
         endpoints, ordered, table = self._check_publish(engine, epoch, segments, ttl_ms,
                                                         endpoints)
         with self._lock:
             now = self._clock()
             self._sweep_locked(now)
             held = self._by_engine.get(engine)
+            refuse_owner(engine, self._owners.get(engine, b""), verifier,
+                         self.release_hint(engine))
             if held is not None and epoch < held.epoch:
                 raise stale_publish(engine, epoch, held.epoch)
+            if verifier and engine not in self._owners:
+                self._claim_locked(engine, verifier)
             lease = self._install_locked(engine, node_id, epoch, ttl_ms, now + ttl_ms / 1000,
-                                         ordered, table, endpoints)
+                                         ordered, table, endpoints, owner=verifier)
             return lease.lease_id
+
+    def release_hint(self, engine: str) -> str:
+        """How an operator frees `engine`'s name here (for refusals)."""
+        return ("restart the registry (hixl-master, or the agent that embeds it), or call "
+                f"Registry.release_owner({engine!r}) once its lease has ended")
+
+    def release_owner(self, engine: str) -> bool:
+        """Forget who owns `engine` (an operator's act: the owner lost its secret), so the
+        next owner-keyed publish claims it; refused while the name has a live lease.
+        True when there was an owner."""
+        with self._lock:
+            self._sweep_locked(self._clock())
+            if engine in self._by_engine:
+                raise ParamInvalid(f"release of {engine!r}: it has a live lease; only an "
+                                   "ended lease's name can be released")
+            return self._owners.pop(engine, None) is not None
+
+    def _claim_locked(self, engine: str, verifier: bytes) -> None:
+        """Make `verifier` the owner of `engine` (first use); forget owners of names with
+        no live lease, the longest-known first, when that passes max_owners."""
+        if len(self._owners) >= self.max_owners:
+            for name in [n for n in self._owners if n not in self._by_engine]:
+                del self._owners[name]
+                log.warning("registry: forgot the owner of engine %r (no live lease; over "
+                            "%d owned names)", name, self.max_owners)
+                if len(self._owners) < self.max_owners:
+                    break
+            else:
+                raise ResourceExhausted(f"publish {engine!r}: the registry already holds "
+                                        f"{self.max_owners} owned engine names, all live")
+        self._owners[engine] = verifier
+
+    def _new_lease_id_locked(self) -> int:
+        """A random 63-bit lease id, so ids cannot be guessed (and a restarted registry
+        never hands out one its predecessor gave: an agent renewing its old lease there
+        is told it is unknown, and publishes again)."""
+        while True:
+            lease_id = secrets.randbits(63)
+            if lease_id and lease_id not in self._leases:
+                return lease_id
 
     def _check_publish(self, engine: str, epoch: int, segments: Iterable[SegmentInfo],
                        ttl_ms: int, endpoints: EngineEndpoints | None,
@@ -338,7 +430,7 @@ class Registry:
     def _install_locked(self, engine: str, node_id: str, epoch: int, ttl_ms: int,
                         deadline: float, ordered: tuple[SegmentInfo, ...],
                         table: AddressTable[SegmentInfo], endpoints: EngineEndpoints,
-                        lease_id: int | None = None) -> _Lease:
+                        lease_id: int | None = None, owner: bytes = b"") -> _Lease:
         """Make a checked table `engine`'s, and tell the watchers what changed.
 
         The same epoch updates the lease in place (re-keyed when `lease_id` names another
@@ -353,6 +445,7 @@ class Registry:
             announce = (lease.node_id, lease.endpoints) != (node_id, endpoints)
             lease.node_id, lease.ttl_ms, lease.deadline = node_id, ttl_ms, deadline
             lease.segments, lease.table, lease.endpoints = ordered, table, endpoints
+            lease.owner = owner
             if lease_id is not None and lease_id != lease.lease_id:
                 del self._leases[lease.lease_id]
                 lease.lease_id = lease_id
@@ -362,8 +455,9 @@ class Registry:
             announce = True
             if held is not None:
                 del self._leases[held.lease_id]
-            lease = _Lease(next(self._lease_ids) if lease_id is None else lease_id, engine,
-                           node_id, epoch, ttl_ms, deadline, ordered, table, endpoints)
+            lease = _Lease(self._new_lease_id_locked() if lease_id is None else lease_id,
+                           engine, node_id, epoch, ttl_ms, deadline, ordered, table,
+                           endpoints, owner)
             self.counters["leases_granted"] += 1
             self._leases[lease.lease_id] = lease
             self._by_engine[engine] = lease
@@ -371,21 +465,28 @@ class Registry:
                                lease.info if announce else None)
         return lease
 
-    def keepalive(self, lease_id: int) -> int:
-        """Extend a live lease by its ttl; returns the ttl in ms."""
+    def keepalive(self, lease_id: int, *, owner_key: bytes | None = None) -> int:
+        """Extend a live lease by its ttl; returns the ttl in ms. A lease published with
+        an owner key is renewed only with that key (PermissionDenied otherwise)."""
+        verifier = check_owner_key(f"keepalive of lease {lease_id}", owner_key)
         with self._lock:
             now = self._clock()
             self._sweep_locked(now)
             lease = self._live_lease_locked(lease_id)
+            refuse_lease("keepalive", lease_id, lease.engine, lease.owner, verifier)
             lease.deadline = now + lease.ttl_ms / 1000
             self.counters["keepalives"] += 1
             return lease.ttl_ms
 
-    def unpublish(self, lease_id: int) -> None:
-        """Withdraw a lease's segments now (a clean shutdown)."""
+    def unpublish(self, lease_id: int, *, owner_key: bytes | None = None) -> None:
+        """Withdraw a lease's segments now (a clean shutdown); the same proof as keepalive.
+        The name stays its owner's."""
+        verifier = check_owner_key(f"unpublish of lease {lease_id}", owner_key)
         with self._lock:
             self._sweep_locked(self._clock())
-            self._drop_locked(self._live_lease_locked(lease_id))
+            lease = self._live_lease_locked(lease_id)
+            refuse_lease("unpublish", lease_id, lease.engine, lease.owner, verifier)
+            self._drop_locked(lease)
             self.counters["unpublishes"] += 1
 
     def close(self) -> None:
@@ -434,6 +535,7 @@ class Registry:
             out["segments"] = sum(len(lease.segments) for lease in leases)
             out["segment_bytes"] = sum(s.length for lease in leases for s in lease.segments)
             out["watchers"] = len(self._subscribers)
+            out["owned_names"] = len(self._owners)
         return out
 
     def engine_infos(self, engine: str = "") -> list[EngineInfo]:
@@ -668,18 +770,21 @@ class RegistryServicer(agent_pb2_grpc.RegistryServicer):
                      if request.HasField("endpoints") else None)
         lease_id = await self._write(context, self._registry.publish, request.engine,
                                      request.node_id, request.epoch, segments,
-                                     request.ttl_ms, endpoints=endpoints)
+                                     request.ttl_ms, endpoints=endpoints,
+                                     owner_key=request.owner_key)
         return agent_pb2.PublishReply(lease_id=lease_id, ttl_ms=request.ttl_ms,
                                       lease_scope=self._registry.lease_scope)
 
     async def KeepAlive(self, request: agent_pb2.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.KeepAliveReply:
-        ttl_ms = await self._write(context, self._registry.keepalive, request.lease_id)
+        ttl_ms = await self._write(context, self._registry.keepalive, request.lease_id,
+                                   owner_key=request.owner_key)
         return agent_pb2.KeepAliveReply(ttl_ms=ttl_ms)
 
     async def Unpublish(self, request: agent_pb2.UnpublishRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.UnpublishReply:
-        await self._write(context, self._registry.unpublish, request.lease_id)
+        await self._write(context, self._registry.unpublish, request.lease_id,
+                          owner_key=request.owner_key)
         return agent_pb2.UnpublishReply()
 
     async def QuerySegments(self, request: agent_pb2.QuerySegmentsRequest,

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -34,7 +35,12 @@ from hixl.auth import load_token
 from hixl.control import add_port, server_interceptors
 from hixl.errors import HixlError, NotConnected, ParamInvalid
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
-from hixl.registry_client import EngineEndpoints, RegistryClient
+from hixl.registry_client import (
+    OWNER_KEY_SIZE,
+    EngineEndpoints,
+    RegistryClient,
+    agent_owner_key,
+)
 from hixl.server.agent import Agent
 from hixl.server.config import AgentConfig
 from hixl.server.data_server import Peer
@@ -86,12 +92,19 @@ class Publisher:
     (no etcd) does not know the lease (NotConnected), so the segments are published there
     at once under a new lease, exactly as after a master restart: at most one renewal
     interval (ttl/3) plus the call's deadline after the old master went away.
+
+    Every publish, keepalive and unpublish carries `owner_key` (the agent's, from the
+    per-engine secret in its state dir): the registry binds the engine name to it, so
+    nobody else can publish, renew or withdraw it, and a restarted agent (same secret)
+    takes its name back at once with its newer epoch.
     """
 
     def __init__(self, agent: Agent, registry: Any, ttl_ms: int, where: str,
-                 endpoints: EngineEndpoints | None = None) -> None:
+                 endpoints: EngineEndpoints | None = None,
+                 owner_key: bytes | None = None) -> None:
         self._agent = agent
         self.registry = registry
+        self._owner_key = owner_key
         self._endpoints = endpoints
         self._ttl_ms = ttl_ms
         self._where = where
@@ -146,7 +159,7 @@ class Publisher:
             # (no master reachable, no leader yet) propagates and keeps the lease: the
             # next renewal, sooner on a retry, may well work
             try:
-                self.registry.keepalive(self._lease)
+                self.registry.keepalive(self._lease, owner_key=self._owner_key)
                 self.counters["registry_keepalives"] += 1
                 return
             except NotConnected as exc:
@@ -159,7 +172,8 @@ class Publisher:
             with logs.request_context(cause):
                 self._lease = self.registry.publish(
                     self._agent.engine_name, self._agent.node_id, self._agent.epoch,
-                    self._agent.segments(), self._ttl_ms, endpoints=self._endpoints)
+                    self._agent.segments(), self._ttl_ms, endpoints=self._endpoints,
+                    owner_key=self._owner_key)
         except BaseException:
             self._dirty = True
             raise
@@ -183,7 +197,7 @@ class Publisher:
             self._thread.join(10.0)
         if unpublish and self._lease is not None:
             try:
-                self.registry.unpublish(self._lease)
+                self.registry.unpublish(self._lease, owner_key=self._owner_key)
             except Exception as exc:  # noqa: BLE001 - the lease expires by itself anyway
                 log.info("registry %s: unpublish failed: %s", self._where, exc)
             self._lease = None
@@ -375,11 +389,16 @@ class AgentServer:
         registry_target = self._wire_registry(server)
         await server.start()
         if registry_target is not None:
+            # read (or made) before serving: a state dir that cannot hold it fails the start.
+            # On grpc_port 0 the name is new each start: its key need not (and, one file
+            # per port ever drawn, should not) outlive the process.
+            owner_key = (agent_owner_key(cfg.state_dir, self.engine_name) if cfg.grpc_port
+                         else secrets.token_bytes(OWNER_KEY_SIZE))
             published = EngineEndpoints(
                 fabric_domain=agent.node_id, data_tcp=self.endpoints.data_tcp,
                 data_unix=self.endpoints.data_unix, fd_socket=self.endpoints.fd_socket)
             self.publisher = Publisher(agent, registry_target[0], cfg.lease_ttl_ms,
-                                       registry_target[1], published)
+                                       registry_target[1], published, owner_key)
             self.publisher.start()
         log.info("agent %s serving: data=%s unix=%s fd=%s epoch=%d node=%s registry=%s "
                  "grpc=%s", self.engine_name, self.endpoints.data_tcp,

@@ -23,11 +23,24 @@ import waiting
 from etcd_cluster import EtcdCluster
 from test_registry import seg
 
-from hixl.errors import NotConnected, ParamInvalid, ResourceExhausted, StaleEpoch
+from hixl.errors import (
+    NotConnected,
+    ParamInvalid,
+    PermissionDenied,
+    ResourceExhausted,
+    StaleEpoch,
+)
 from hixl.etcd import UNAVAILABLE_ERRORS, Compare, EtcdClient, WatchEvent
-from hixl.registry_client import EngineEndpoints
-from hixl.server.etcd_registry import ENGINE_DIR, EtcdRegistry, engine_key, lease_seconds
+from hixl.registry_client import EngineEndpoints, owner_verifier
+from hixl.server.etcd_registry import (
+    ENGINE_DIR,
+    EtcdRegistry,
+    engine_key,
+    lease_seconds,
+    owner_key_of,
+)
 from hixl.server.registry import EventKind, RegistryEvent, Subscription
+from hixl.v1 import agent_pb2
 
 WAIT_S = 15.0
 wait_for = partial(waiting.wait_until, timeout=WAIT_S)
@@ -316,3 +329,66 @@ def test_bench_registry_refuses_contradictory_settings() -> None:
         capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "give one" in proc.stderr
+
+
+# ---------------------------------------------------------------- ownership (issue 15)
+
+KEY_A, KEY_B = b"a" * 32, b"b" * 32
+
+
+def test_every_master_binds_a_name_to_its_owner_key_through_etcd(
+        registries: Registries) -> None:
+    leader, other = registries.attach(), registries.attach()
+    lease = leader.publish("e", "n", 5, [seg("e", 1, 0x1000, epoch=5)], TTL_MS,
+                           owner_key=KEY_A)
+    wait_for(lambda: other.engines() == {"e": 5}, "the other master's mirror")
+    # etcd holds the key's verifier, never the key
+    stored = agent_pb2.PublishRequest.FromString(registries.client().get(engine_key("e")).value)
+    assert stored.owner_key == b"" and stored.owner_verifier == owner_verifier(KEY_A)
+    assert registries.client().get(owner_key_of("e")).value == owner_verifier(KEY_A)
+    for registry in (leader, other):  # a failover changes nothing
+        for key in (KEY_B, None):
+            with pytest.raises(PermissionDenied, match="owner"):
+                registry.publish("e", "evil", 2**32 - 1,
+                                 [seg("e", 1, 0x9000, epoch=2**32 - 1)], TTL_MS, owner_key=key)
+            with pytest.raises(PermissionDenied, match="owner key"):
+                registry.keepalive(lease, owner_key=key)
+            with pytest.raises(PermissionDenied, match="owner key"):
+                registry.unpublish(lease, owner_key=key)
+    assert other.keepalive(lease, owner_key=KEY_A) == TTL_MS
+    restarted = other.publish("e", "n", 6, [], TTL_MS, owner_key=KEY_A)
+    wait_for(lambda: leader.engines() == {"e": 6}, "the restart on the leader's mirror")
+    leader.unpublish(restarted, owner_key=KEY_A)
+    wait_for(lambda: other.engines() == {}, "the unpublish on the other mirror")
+    # the name outlives its lease: a master that starts now still refuses it to others
+    late = registries.attach()
+    with pytest.raises(PermissionDenied, match="registry/owner/e"):
+        late.publish("e", "evil", 7, [], TTL_MS, owner_key=KEY_B)
+    assert late.publish("e", "n", 1, [], TTL_MS, owner_key=KEY_A)  # the owner: any epoch
+
+
+def test_an_operator_releases_an_ended_name_on_etcd(registries: Registries) -> None:
+    leader, other = registries.attach(), registries.attach()
+    lease = leader.publish("e", "n", 1, [], TTL_MS, owner_key=KEY_A)
+    with pytest.raises(ParamInvalid, match="live lease"):
+        other.release_owner("e")
+    with pytest.raises(PermissionDenied):  # other caches who owns "e"
+        other.publish("e", "n", 2, [], TTL_MS, owner_key=KEY_B)
+    leader.unpublish(lease, owner_key=KEY_A)
+    wait_for(lambda: other.engines() == {}, "the unpublish on the other mirror")
+    assert leader.release_owner("e")
+    assert registries.client().get(owner_key_of("e")) is None
+    # the other master's cached owner is stale: it reads etcd again before refusing
+    other.publish("e", "n", 2, [], TTL_MS, owner_key=KEY_B)
+    with pytest.raises(PermissionDenied):
+        leader.publish("e", "n", 3, [], TTL_MS, owner_key=KEY_A)
+
+
+def test_unowned_publishes_on_etcd_work_as_before(registries: Registries) -> None:
+    registry = registries.attach()
+    lease = registry.publish("old", "n", 1, [], TTL_MS)
+    assert registry.keepalive(lease) == TTL_MS
+    assert registries.client().get(owner_key_of("old")) is None
+    registry.publish("old", "n", 2, [], TTL_MS, owner_key=KEY_A)  # a key claims it
+    with pytest.raises(PermissionDenied, match="carries no owner key"):
+        registry.publish("old", "n", 3, [], TTL_MS)

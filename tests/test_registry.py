@@ -16,6 +16,7 @@ from hixl.errors import (
     NotConnected,
     OutOfRange,
     ParamInvalid,
+    PermissionDenied,
     ResourceExhausted,
     StaleEpoch,
     TransferTimeout,
@@ -417,3 +418,113 @@ async def test_slow_grpc_watcher_is_ended_with_resource_exhausted() -> None:
     finally:
         client.close()
         await server.stop(0)
+
+
+# ---------------------------------------------------------------- ownership (issue 15)
+
+KEY_A, KEY_B = b"a" * 32, b"b" * 32
+
+
+def test_an_owned_name_is_refused_to_every_other_key_whatever_the_epoch(
+        registry: Registry) -> None:
+    lease = registry.publish("e", "n", 5, [seg("e", 1, 0x1000, epoch=5)], TTL_MS,
+                             owner_key=KEY_A)
+    for key in (KEY_B, None, b""):
+        with pytest.raises(PermissionDenied, match="owner"):
+            registry.publish("e", "evil", 2**32 - 1, [seg("e", 1, 0x9000, epoch=2**32 - 1)],
+                             TTL_MS, owner_key=key)
+        with pytest.raises(PermissionDenied, match="owner key"):
+            registry.keepalive(lease, owner_key=key)
+        with pytest.raises(PermissionDenied, match="owner key"):
+            registry.unpublish(lease, owner_key=key)
+    assert registry.engines() == {"e": 5}
+    assert [s.base for s in registry.query("e")] == [0x1000]
+    # the owner: the same epoch keeps the lease, a newer one replaces it, an older is stale
+    assert registry.publish("e", "n", 5, [], TTL_MS, owner_key=KEY_A) == lease
+    assert registry.keepalive(lease, owner_key=KEY_A) == TTL_MS
+    with pytest.raises(StaleEpoch):
+        registry.publish("e", "n", 4, [], TTL_MS, owner_key=KEY_A)
+    newer = registry.publish("e", "n", 6, [], TTL_MS, owner_key=KEY_A)
+    assert newer != lease and registry.engines() == {"e": 6}
+    with pytest.raises(NotConnected):
+        registry.keepalive(lease, owner_key=KEY_A)
+    registry.unpublish(newer, owner_key=KEY_A)
+
+
+def test_a_name_stays_its_owners_after_its_lease_ends_until_released(
+        registry: Registry, clock: FakeClock) -> None:
+    lease = registry.publish("e", "n", 3, [], TTL_MS, owner_key=KEY_A)
+    registry.unpublish(lease, owner_key=KEY_A)
+    with pytest.raises(PermissionDenied, match="release_owner"):
+        registry.publish("e", "n", 9, [], TTL_MS, owner_key=KEY_B)
+    registry.publish("e", "n", 1, [], TTL_MS, owner_key=KEY_A)  # any epoch: a new lease
+    with pytest.raises(ParamInvalid, match="live lease"):
+        registry.release_owner("e")
+    clock.advance(TTL_MS / 1000)
+    assert registry.engines() == {}
+    with pytest.raises(PermissionDenied):
+        registry.publish("e", "n", 9, [], TTL_MS, owner_key=KEY_B)
+    assert registry.release_owner("e") is True
+    assert registry.release_owner("e") is False
+    registry.publish("e", "n", 9, [], TTL_MS, owner_key=KEY_B)  # claimed anew
+    with pytest.raises(PermissionDenied):
+        registry.publish("e", "n", 10, [], TTL_MS, owner_key=KEY_A)
+
+
+def test_unowned_publishes_work_as_before_and_a_key_claims_the_name(
+        registry: Registry) -> None:
+    lease = registry.publish("old", "n", 1, [], TTL_MS)  # a client that predates keys
+    assert registry.keepalive(lease) == TTL_MS
+    assert registry.publish("old", "n", 2, [], TTL_MS) != lease
+    registry.publish("old", "n", 3, [], TTL_MS, owner_key=KEY_A)
+    with pytest.raises(PermissionDenied, match="carries no owner key"):
+        registry.publish("old", "n", 4, [], TTL_MS)
+    with pytest.raises(ParamInvalid, match="32 bytes"):
+        registry.publish("x", "n", 1, [], TTL_MS, owner_key=b"short")
+    assert registry.stats()["owned_names"] == 1
+
+
+def test_lease_ids_are_random(registry: Registry) -> None:
+    leases = sorted(registry.publish(f"e{i}", "n", 1, [], TTL_MS) for i in range(64))
+    gaps = {b - a for a, b in zip(leases, leases[1:], strict=False)}
+    assert len(set(leases)) == 64 and min(gaps) > 1 << 20
+
+
+def test_owners_beyond_the_limit_forget_names_without_a_lease_first(clock: FakeClock) -> None:
+    registry = Registry(clock=clock, max_owners=2)
+    gone = registry.publish("gone", "n", 1, [], TTL_MS, owner_key=KEY_A)
+    registry.publish("live", "n", 1, [], TTL_MS, owner_key=KEY_A)
+    registry.unpublish(gone, owner_key=KEY_A)
+    new = registry.publish("new", "n", 1, [], TTL_MS, owner_key=KEY_B)  # forgets "gone"
+    with pytest.raises(ResourceExhausted, match="all live"):
+        registry.publish("more", "n", 1, [], TTL_MS, owner_key=KEY_B)
+    registry.unpublish(new, owner_key=KEY_B)
+    registry.publish("gone", "n", 1, [], TTL_MS, owner_key=KEY_B)  # another key: forgotten
+    assert registry.engines() == {"gone": 1, "live": 1}
+
+
+def test_the_grpc_client_proves_its_own_key_by_itself(registry: Registry) -> None:
+    async def main() -> None:
+        server = grpc.aio.server()
+        add_registry_service(server, registry, expire_every_s=None)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            def calls() -> None:
+                with RegistryClient(f"127.0.0.1:{port}") as ours, \
+                        RegistryClient(f"127.0.0.1:{port}") as theirs:
+                    lease = ours.publish("e", "n", 1, [], TTL_MS)
+                    assert ours.publish("e", "n", 1, [], TTL_MS) == lease
+                    assert ours.keepalive(lease) == TTL_MS
+                    with pytest.raises(PermissionDenied):
+                        theirs.publish("e", "n", 2, [], TTL_MS)
+                    with pytest.raises(PermissionDenied):
+                        theirs.keepalive(lease)
+                    with pytest.raises(PermissionDenied):
+                        theirs.unpublish(lease)
+                    ours.unpublish(lease)
+            await asyncio.to_thread(calls)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -291,20 +291,24 @@ class EngineInfo(_message.Message):
     def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("engine", "node_id", "epoch", "ttl_ms", "segments", "endpoints")
+    __slots__ = ("engine", "node_id", "epoch", "ttl_ms", "segments", "endpoints", "owner_key", "owner_verifier")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_KEY_FIELD_NUMBER: _ClassVar[int]
+    OWNER_VERIFIER_FIELD_NUMBER: _ClassVar[int]
     engine: str
     node_id: str
     epoch: int
     ttl_ms: int
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     endpoints: Endpoints
-    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ...) -> None: ...
+    owner_key: bytes
+    owner_verifier: bytes
+    def __init__(self, engine: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., owner_key: _Optional[bytes] = ..., owner_verifier: _Optional[bytes] = ...) -> None: ...
 
 class PublishReply(_message.Message):
     __slots__ = ("lease_id", "ttl_ms", "lease_scope")
@@ -317,10 +321,12 @@ class PublishReply(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., lease_scope: _Optional[str] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "owner_key")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_KEY_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    owner_key: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., owner_key: _Optional[bytes] = ...) -> None: ...
 
 class KeepAliveReply(_message.Message):
     __slots__ = ("ttl_ms",)
@@ -329,10 +335,12 @@ class KeepAliveReply(_message.Message):
     def __init__(self, ttl_ms: _Optional[int] = ...) -> None: ...
 
 class UnpublishRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "owner_key")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_KEY_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    owner_key: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., owner_key: _Optional[bytes] = ...) -> None: ...
 
 class UnpublishReply(_message.Message):
     __slots__ = ()
