@@ -200,6 +200,27 @@ def read_journal(path: Path) -> tuple[list[dict[str, Any]], int, int]:
     return records, pos, len(data)
 
 
+#: the mode of every file the master writes: the store's keys, sizes and replica places
+#: are for the master's own user, whatever umask or an older release left behind
+FILE_MODE = 0o600
+#: the mode of a data dir the master creates
+DIR_MODE = 0o700
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """os.open(path) creating it FILE_MODE, and an existing file (an older release's, a
+    leftover .tmp) brought to FILE_MODE too: O_CREAT's mode applies only to new files.
+    Never through a symlink."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        if os.fstat(fd).st_mode & 0o7777 != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 class Journal:
     """Append-only, CRC-framed journal file with group commit.
 
@@ -213,7 +234,7 @@ class Journal:
     def __init__(self, path: Path, *, fsync: bool = True) -> None:
         self.path = path
         self._fsync = fsync
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._fd = _open_private(path, os.O_WRONLY | os.O_APPEND)
         self.written = os.fstat(self._fd).st_size
         self._durable = self.written
         self.records = 0
@@ -274,9 +295,8 @@ class DataDir:
         self.path = Path(path)
         self.fsync = fsync
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                                    0o600)
+            self.path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+            self._lock_fd = _open_private(self.path / "LOCK", os.O_RDWR)
         except OSError as exc:
             raise ConfigError(f"store data dir {self.path}: cannot use it: "
                               f"{exc.strerror or exc}") from None
@@ -334,7 +354,7 @@ class DataDir:
         """Write snapshot-<gen> atomically, then delete what it supersedes."""
         final = self.snapshot_path(gen)
         tmp = final.with_suffix(".json.tmp")
-        with open(tmp, "wb") as f:
+        with os.fdopen(_open_private(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as f:
             f.write(json.dumps(state, separators=(",", ":"), ensure_ascii=False).encode())
             f.flush()
             if self.fsync:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import uuid
@@ -525,6 +526,40 @@ def test_a_snapshot_replaces_the_files_before_it(data_dir: Path) -> None:
     backend.close()
     backend = LocalJournalBackend(data_dir)
     assert backend.load() == LoadedState({**state, "gen": 1}, HISTORY[8:10])
+    backend.close()
+
+
+def modes(path: Path) -> dict[str, int]:
+    """Permission bits of a directory and of each file in it."""
+    return {".": path.stat().st_mode & 0o777,
+            **{p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}}
+
+
+def test_every_file_of_a_data_dir_is_owner_only(data_dir: Path) -> None:
+    """The journal was 0600 but snapshots followed the umask (0644): every file is 0600,
+    including files an older release or a crash left wider, and a new dir is 0700."""
+    old_umask = os.umask(0o022)
+    try:
+        backend = LocalJournalBackend(data_dir)
+        backend.load()
+        append_all(backend, HISTORY[:4])
+        backend.close()
+        for name in ("journal-0.log", "LOCK"):           # as an older release left them
+            os.chmod(data_dir / name, 0o644)
+        (data_dir / "snapshot-1.json.tmp").write_bytes(b"torn")   # a crash mid-snapshot
+        os.chmod(data_dir / "snapshot-1.json.tmp", 0o666)
+        backend = LocalJournalBackend(data_dir)
+        assert backend.load() == LoadedState(None, HISTORY[:4])
+        cut = backend.begin_snapshot()
+        append_all(backend, HISTORY[4:6])
+        backend.write_snapshot(cut, committed(HISTORY[:4]).state())
+        assert modes(data_dir) == {".": 0o700, "LOCK": 0o600, "journal-1.log": 0o600,
+                                   "snapshot-1.json": 0o600}
+        backend.close()
+    finally:
+        os.umask(old_umask)
+    backend = LocalJournalBackend(data_dir)
+    assert backend.load().records == HISTORY[4:6]
     backend.close()
 
 

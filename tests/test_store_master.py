@@ -7,6 +7,7 @@ call that waited for its deadline would fail the test instead of passing slowly.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -191,6 +192,35 @@ def test_kill_9_and_restart_keeps_every_committed_key(tmp_path: Path) -> None:
         owner.close()
         other.close()
         first.close()
+
+
+def test_every_file_a_master_writes_is_owner_only(tmp_path: Path) -> None:
+    """Snapshots followed the umask (0644) while the journal was 0600: a hixl-master run
+    under umask 022 leaves its data dir 0700 and every file in it 0600, and a restart
+    finds every key."""
+    data = tmp_path / "data"
+    old_umask = os.umask(0o022)                       # the master inherits it
+    try:
+        first = MasterProcess(extra=["--data-dir", str(data)])
+    finally:
+        os.umask(old_umask)
+    try:
+        with MasterClient(first.target, timeout=DEADLINE_S, client_id="owner") as client:
+            assert client.mount_segment(seg("a")).code == ErrorCode.OK
+            put(client, [f"key-{i}" for i in range(20)], 100)
+        assert first.stop() == 0                       # a graceful stop writes a snapshot
+    finally:
+        first.close()
+    found = {p.name: p.stat().st_mode & 0o777 for p in data.iterdir()}
+    assert any(name.startswith("snapshot-") for name in found), found
+    assert found == dict.fromkeys(found, 0o600) and data.stat().st_mode & 0o777 == 0o700
+    second = MasterProcess(extra=["--data-dir", str(data)])
+    try:
+        with MasterClient(second.target, timeout=DEADLINE_S, client_id="owner") as client:
+            assert client.mount_segment(seg("a")).objects == 20
+            assert client.list_keys("").total == 20
+    finally:
+        second.close()
 
 
 def test_no_persist_keeps_nothing(tmp_path: Path) -> None:
