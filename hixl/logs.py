@@ -106,10 +106,54 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+#: what may not reach a text log as it is: C0 and C1 controls (newline, carriage return,
+#: escape sequences), DEL, and the Unicode line and paragraph separators
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_one(match: re.Match[str]) -> str:
+    char = match.group()
+    return _NAMED.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x100
+                                else f"\\u{ord(char):04x}")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character and line separator written as a backslash
+    escape (\\n, \\x1b, \\u2028): peers name engines, segments and keys, and a name
+    with a newline could otherwise add a forged line to the log."""
+    return _UNSAFE.sub(_escape_one, text)
+
+
+class TextFormatter(logging.Formatter):
+    """TEXT_FORMAT, one line per record whatever its message holds: the message is
+    escaped (escape_controls). A traceback or stack follows on lines that each start
+    with two spaces (controls in them escaped too), so a line that starts with a
+    timestamp is always a record of its own, never text a peer chose."""
+
+    def __init__(self, fmt: str = TEXT_FORMAT) -> None:
+        super().__init__(fmt)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802 - logging's name
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802 - logging's name
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    """Each line of a traceback escaped and indented by two spaces."""
+    return "\n".join("  " + escape_controls(line) for line in text.splitlines())
+
+
 def make_handler(as_json: bool = False, stream: IO[str] | None = None) -> logging.Handler:
     """A stream handler (stderr by default) in hixl's text or JSON format, request ids on."""
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
-    handler.setFormatter(JsonFormatter() if as_json else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if as_json else TextFormatter())
     handler.addFilter(RequestIdFilter())
     return handler
 
@@ -139,7 +183,7 @@ def log_failure(logger: logging.Logger, level: int, message: str, *, code: str,
 
 __all__ = [
     "NO_REQUEST", "REQUEST_ID_KEY", "TEXT_FORMAT", "JsonFormatter", "RequestIdFilter",
-    "current_request_id", "log_failure", "make_handler", "new_request_id",
+    "TextFormatter", "current_request_id", "escape_controls", "log_failure", "make_handler", "new_request_id",
     "request_context", "reset_request_id", "set_request_id", "setup_logging",
     "valid_request_id",
 ]

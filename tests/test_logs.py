@@ -161,3 +161,64 @@ def test_request_ids_from_the_wire_are_checked() -> None:
     for bad in ("", "a b", "x" * 65, "line\nbreak", None):
         assert logs.valid_request_id(bad) is None
     assert re.fullmatch(r"[0-9a-f]{16}", logs.new_request_id())
+
+
+#: a peer-chosen name that would start a forged ERROR line in a text log
+FORGED = "ok\n2026-01-01 00:00:00,000 ERROR hixl.agent [-] fake: agent compromised\x1b[2J\u2028x"
+#: how it must appear: one line, every control written as an escape
+ESCAPED = ("ok\\n2026-01-01 00:00:00,000 ERROR hixl.agent [-] fake: agent compromised"
+           "\\x1b[2J\\u2028x")
+#: what starts a record of the text format: its timestamp
+RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+
+
+def test_text_logs_escape_what_peers_send_and_indent_tracebacks() -> None:
+    """Every record is one line whatever its arguments hold; a traceback (whose last line
+    may quote a peer's string) follows on indented lines: no peer text starts a line."""
+    out = io.StringIO()
+    logger = logging.getLogger("hixl.test_logs.escape")
+    logger.propagate = False
+    logger.addHandler(logs.make_handler(False, out))
+    logger.setLevel(logging.INFO)
+    try:
+        logger.info("serving owner=%s", FORGED)
+        try:
+            raise ValueError(f"bad name {FORGED}")
+        except ValueError:
+            logger.exception("handshake from %s failed", FORGED)
+    finally:
+        logger.handlers.clear()
+    lines = out.getvalue().splitlines()
+    records = [line for line in lines if RECORD_START.match(line)]
+    assert len(records) == 2, lines
+    assert records[0].endswith(f"serving owner={ESCAPED}")
+    assert records[1].endswith(f"handshake from {ESCAPED} failed")
+    assert all(line.startswith("  ") for line in lines[2:]), lines
+    assert any("ValueError: bad name ok" in line for line in lines[2:])
+    assert "\x1b" not in out.getvalue() and "\u2028" not in out.getvalue()
+    assert logs.escape_controls("plain \\ text, tab\t") == "plain \\ text, tab\\t"
+
+
+def test_a_peer_name_with_a_newline_cannot_forge_an_agent_log_line(agent_process) -> None:
+    """A client whose engine name (handshake) and segment owner carry a newline and a
+    forged record: the real hixl-agent's text log shows them escaped on the line of the
+    record that names them, and honest calls keep working."""
+    node = agent_process(config={"log_json": False, "log_level": "DEBUG",
+                                 "pool": [{"size": "1MiB"}]})
+    with AgentClient(node.engine, timeout=DEADLINE_S) as client:
+        client.handshake(FORGED)
+        forged = client.allocate(4096, owner=FORGED)
+        honest = client.allocate(4096, owner="127.0.0.1:50999")
+        assert {s.segment_id for s in client.list_segments()[1]} >= {
+            forged.segment_id, honest.segment_id}
+        deadline = time.monotonic() + DEADLINE_S
+        while "owner=127.0.0.1:50999" not in node.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lines = node.log().splitlines()
+        quoting = [line for line in lines if "fake: agent compromised" in line]
+        assert quoting and all(ESCAPED in line for line in quoting), quoting
+        assert [line for line in lines if f"handshake from {ESCAPED}" in line]
+        assert [line for line in lines if f"owner={ESCAPED}" in line]
+        assert not [line for line in lines if line.startswith("2026-01-01")]
+        client.deregister(forged.segment_id, forged.epoch)
+        client.deregister(honest.segment_id, honest.epoch)
