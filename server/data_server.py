@@ -16,7 +16,10 @@ Authentication: with a cluster token, a connection is served only after the HELL
 CHALLENGE / AUTH exchange of `hixl.wire` proved the token; a wrong or missing proof gets a
 NOT_AUTHENTICATED reply and the connection is closed before any WRITE/READ is looked at.
 
-Timeouts: an idle connection may wait for its next frame forever, but once a frame has
+Timeouts: a connection has `handshake_timeout` s (5) from accept to authenticate, and
+waits for its handshake in a budget of its own, apart from authenticated connections
+(`hixl.server.connections`): idle outsiders cannot keep token holders out. An
+authenticated idle connection may wait for its next frame forever, but once a frame has
 begun, any stall longer than `io_timeout` (SO_RCVTIMEO / SO_SNDTIMEO) closes it.
 """
 
@@ -35,7 +38,13 @@ from typing import NamedTuple
 from hixl import wire
 from hixl.errors import ConfigError
 from hixl.metrics import Traffic, TrafficTable
-from hixl.server.connections import PeerGone, Stalled, ThreadPerConnection
+from hixl.server.connections import (
+    HANDSHAKE_TIMEOUT_S,
+    PREAUTH_CONNECTIONS,
+    PeerGone,
+    Stalled,
+    ThreadPerConnection,
+)
 from hixl.transports.tcp import Buffer, BufferQueue, tune_socket
 
 log = logging.getLogger("hixl.data")
@@ -81,11 +90,15 @@ class DataServer(ThreadPerConnection):
                  tcp_host: str | None = "127.0.0.1", tcp_port: int = 0,
                  unix_path: str | None = None, max_connections: int = 256,
                  io_timeout: float = 30.0, cluster_token: bytes | None = None,
-                 unix_mode: int = 0o660,
+                 unix_mode: int = 0o660, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+                 preauth_connections: int = PREAUTH_CONNECTIONS,
                  start_thread: Callable[[threading.Thread], None] | None = None) -> None:
         """`unix_mode`: the unix socket's file mode, set before it listens (so no one
-        outside it can connect in between). `start_thread`: starts each connection's
-        thread (default `Thread.start`; a test hook, see ThreadPerConnection)."""
+        outside it can connect in between). `max_connections`: authenticated connections
+        (TCP and unix together); `preauth_connections`: connections still in their
+        handshake, per listener, each with `handshake_timeout` s to complete it
+        (`hixl.server.connections`). `start_thread`: starts each connection's thread
+        (default `Thread.start`; a test hook, see ThreadPerConnection)."""
         if tcp_host is None and unix_path is None:
             raise ConfigError("data server needs a TCP host or a unix socket path")
         if unix_path is not None and not os.path.isabs(unix_path):
@@ -97,20 +110,27 @@ class DataServer(ThreadPerConnection):
         self._unix_path = unix_path
         self._unix_inode: int | None = None
         self._unix_mode = unix_mode
-        self._init_connections(max_connections, io_timeout, start_thread=start_thread)
+        self._init_connections(max_connections, io_timeout,
+                               handshake_timeout=handshake_timeout,
+                               preauth_connections=preauth_connections,
+                               start_thread=start_thread)
         self._cluster_token = cluster_token
         self._connections: dict[socket.socket, _Connection] = {}  # for peers()
         self._tcp_address = ""
         #: bytes_written / ops_write: WRITE payloads received into segments; bytes_read /
         #: ops_read: READ data sent; refused: requests answered with an error; connections:
-        #: accepted in total; connections_rejected: turned away (over max_connections, or
-        #: no thread could be started: thread_start_failures counts those too);
+        #: accepted in total; connections_rejected: turned away (authenticated while all
+        #: max_connections slots were taken, or no thread could be started:
+        #: thread_start_failures counts those too); preauth_evicted: closed in their
+        #: handshake to make room for a newer one (the listener's preauth_connections were
+        #: all taken); handshake_timeouts: closed for not authenticating within
+        #: handshake_timeout;
         #: protocol_errors: connections closed for a bad frame, a stall or an internal error;
         #: auth_failures: those of them refused for a wrong or missing cluster token
         self.counters: dict[str, int] = dict.fromkeys(
             ("bytes_written", "bytes_read", "ops_write", "ops_read", "refused", "connections",
-             "connections_rejected", "thread_start_failures", "protocol_errors",
-             "auth_failures"), 0)
+             "connections_rejected", "thread_start_failures", "preauth_evicted",
+             "handshake_timeouts", "protocol_errors", "auth_failures"), 0)
         #: the same traffic per transport and direction, for metrics: ops and bytes (published
         #: with `counters`), the time per batch of replies, refusals by wire reason
         self.traffic = TrafficTable(TRANSPORTS)
@@ -245,6 +265,7 @@ class _Connection:
         self.peer = peer
         self.since = time.monotonic()
         self.proto = wire.ServerProtocol(server._resolve, server._epoch, server._cluster_token)
+        self.admitted = False  # holds an authenticated slot (ThreadPerConnection._admit)
         self.ring = bytearray(_RING)
         self.view = memoryview(self.ring)
         self.start = 0  # unread bytes are ring[start:end]
@@ -345,6 +366,10 @@ class _Connection:
                 if type(answer) is wire.Close:
                     self._close(answer)
                     return
+                if proto.authenticated and not self.admitted:
+                    if not self.server._admit(self.sock):
+                        return  # no authenticated slot: closed, as if turned away at accept
+                    self.admitted = True
                 replies.append(answer.reply)
             else:  # wire.Close
                 assert isinstance(action, wire.Close)

@@ -9,8 +9,10 @@ own thread, and concurrent commits share an fsync (the journal's group commit).
 
 A call that fails as a call (a request that does not parse, an internal error, a
 reply over wire.MAX_CALL) is answered with error text, logged once under the caller's
-request id, and the connection stays open. Timeouts: an idle connection may wait for its
-next call indefinitely; once a frame has begun, a stall longer than `io_timeout` closes it.
+request id, and the connection stays open. Timeouts: a connection has `handshake_timeout`
+s to authenticate, in a pre-auth budget apart from authenticated connections
+(`hixl.server.connections`); an authenticated idle connection may wait for its next call
+indefinitely; once a frame has begun, a stall longer than `io_timeout` closes it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from google.protobuf.message import DecodeError
 from hixl import wire
 from hixl.errors import ConfigError, HixlError
 from hixl.logs import request_context, valid_request_id
-from hixl.server.connections import PeerGone, Stalled, ThreadPerConnection
+from hixl.server.connections import (
+    HANDSHAKE_TIMEOUT_S,
+    PREAUTH_CONNECTIONS,
+    PeerGone,
+    Stalled,
+    ThreadPerConnection,
+)
 from hixl.server.leadership import Leadership
 from hixl.server.store_service import StoreCalls
 from hixl.store_rpc import MESSAGES, METHODS
@@ -52,18 +60,25 @@ class StoreCallServer(ThreadPerConnection):
     def __init__(self, calls: StoreCalls, host: str = "127.0.0.1", port: int = 0, *,
                  cluster_token: bytes | None = None, max_connections: int = 1024,
                  io_timeout: float = 30.0, leadership: Leadership | None = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+                 preauth_connections: int = PREAUTH_CONNECTIONS,
                  start_thread: Callable[[threading.Thread], None] | None = None) -> None:
         self._calls = calls
         self._leadership = leadership
         self._host = host
         self._port = port
         self._token = cluster_token
-        self._init_connections(max_connections, io_timeout, start_thread=start_thread)
+        self._init_connections(max_connections, io_timeout,
+                               handshake_timeout=handshake_timeout,
+                               preauth_connections=preauth_connections,
+                               start_thread=start_thread)
         #: connections accepted, turned away (over max_connections, or no thread could be
-        #: started: thread_start_failures), closed for a bad frame or a stall, refused for
-        #: a wrong or missing token; calls served
+        #: started: thread_start_failures), closed in their handshake for a newer one
+        #: (preauth_evicted) or for not authenticating in time (handshake_timeouts), closed
+        #: for a bad frame or a stall, refused for a wrong or missing token; calls served
         self.counters = dict.fromkeys(("connections", "connections_rejected",
-                                       "thread_start_failures", "protocol_errors",
+                                       "thread_start_failures", "preauth_evicted",
+                                       "handshake_timeouts", "protocol_errors",
                                        "auth_failures", "calls"), 0)
 
     @property
@@ -109,6 +124,7 @@ class _Connection:
         self.server = server
         self.sock = sock
         self.proto = wire.CallServerProtocol(METHODS, server._token)
+        self.admitted = False  # holds an authenticated slot (ThreadPerConnection._admit)
         self.buffer = bytearray(_RECEIVE)
         self.view = memoryview(self.buffer)
         self.start = 0  # unread bytes are buffer[start:end]
@@ -124,6 +140,10 @@ class _Connection:
             elif isinstance(action, wire.ReadHello):
                 action = proto.on_hello(action.request_id, bytes(self._take(action.count)))
                 if isinstance(action, wire.Send):
+                    if proto.authenticated and not self.admitted:
+                        if not self.server._admit(self.sock):
+                            return  # no authenticated slot: closed
+                        self.admitted = True
                     self._send(action.reply)
                 else:
                     self._close(action)
