@@ -295,6 +295,9 @@ def test_unit_command_and_hardening(name: str) -> None:
     if isinstance(config, AgentConfig):
         # the sockets clients must reach: systemd's runtime dir, never hidden from them
         assert config.runtime_dir == "/run/" + one(service, "RuntimeDirectory")
+        # the owner secret outlives restarts, in a directory of the agent's own
+        assert config.state_dir == "/var/lib/" + one(service, "StateDirectory")
+        assert one(service, "StateDirectoryMode") == "0700"
         assert service.get("PrivateDevices", ["no"]) == ["no"]
         assert one(service, "LimitMEMLOCK") == "infinity"
         if one(service, "PrivateTmp") == "yes":
@@ -398,6 +401,8 @@ def test_compose_is_one_master_and_two_agents() -> None:
         assert agent.host == address
         runtime = [v for v in service["volumes"] if v.endswith(":" + agent.runtime_dir)]
         assert len(runtime) == 1, name
+        state = [v for v in service["volumes"] if v.endswith(":" + agent.state_dir)]
+        assert len(state) == 1, name  # a read-only container: its state dir is a volume
         assert service["ulimits"]["memlock"] == -1
     # the client shares node a's runtime volume: its unix sockets
     [(client_name, _)] = roles["hixl"]
@@ -539,6 +544,10 @@ def test_k8s_agent_daemonset(tmp_path: Path) -> None:
     [runtime] = [m for m in container["volumeMounts"] if m["mountPath"] == config.runtime_dir]
     volume = {v["name"]: v for v in spec["volumes"]}[runtime["name"]]
     assert volume["hostPath"]["path"] == config.runtime_dir
+    # the owner secret, on the node, so a restarted pod takes its engine name back
+    [state] = [m for m in container["volumeMounts"] if m["mountPath"] == config.state_dir]
+    volume = {v["name"]: v for v in spec["volumes"]}[state["name"]]
+    assert volume["hostPath"]["path"] == config.state_dir
     assert {p["containerPort"] for p in container["ports"]} == {
         config.grpc_port, config.data_port, config.metrics_port}
     annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
