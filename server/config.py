@@ -19,7 +19,8 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Callable, Collection, Mapping
+import stat
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -77,7 +78,8 @@ def parse_size(value: object) -> int:
 
 
 def default_runtime_dir() -> str:
-    """/run/hixl if this user may create or write it, else $XDG_RUNTIME_DIR/hixl, else /tmp/hixl-<uid>."""
+    """/run/hixl if this user may create or write it, else $XDG_RUNTIME_DIR/hixl, else
+    /tmp/hixl-<uid> (a name any user can take first: prepare_runtime_dir checks it)."""
     if os.access("/run/hixl", os.W_OK) or (
             not os.path.exists("/run/hixl") and os.access("/run", os.W_OK)):
         return "/run/hixl"
@@ -101,6 +103,45 @@ def default_state_dir() -> str:
 
 def _default_uids() -> list[int]:
     return sorted({os.getuid(), 0})
+
+
+def prepare_runtime_dir(path: str, allowed_uids: Iterable[int] = ()) -> None:
+    """Create the runtime dir (0700; 0711 when allowed_uids names other users, who must
+    reach the sockets in it) or check the one that is there: ours, not a symlink of
+    someone else's, and not writable by group or others. Whoever may write in it could
+    replace the agent's fd socket with their own and hand clients fake memory; the last
+    resort /tmp/hixl-<uid> can be created by any user before the agent starts.
+    Raises ConfigError naming the path and the fix."""
+    uid = os.geteuid()
+    others = set(allowed_uids) - {uid, 0}
+    try:
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        os.mkdir(path, 0o711 if others else 0o700)
+        os.chmod(path, 0o711 if others else 0o700)  # not narrowed by the umask
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"key 'runtime_dir': cannot create {path}: {exc.strerror or exc}; "
+                          "choose a directory this user may create") from None
+    fix = (f"remove it, or use a directory of your own (key 'runtime_dir', "
+           f"{ENV_PREFIX}RUNTIME_DIR; $XDG_RUNTIME_DIR/hixl is used when it is set)")
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
+        raise ConfigError(f"key 'runtime_dir': {path} is a symlink owned by uid "
+                          f"{link.st_uid}, not by this agent's uid {uid}: {fix}")
+    found = os.stat(path)
+    if not stat.S_ISDIR(found.st_mode):
+        raise ConfigError(f"key 'runtime_dir': {path} is not a directory: {fix}")
+    if found.st_uid != uid:
+        raise ConfigError(f"key 'runtime_dir': {path} is owned by uid {found.st_uid}, not by "
+                          f"this agent's uid {uid}: whoever owns it can replace the agent's "
+                          f"sockets; {fix}")
+    writers = " and ".join(who for who, bit in (("group", 0o020), ("others", 0o002))
+                           if found.st_mode & bit)
+    if writers:
+        raise ConfigError(f"key 'runtime_dir': {path} is writable by {writers} (mode "
+                          f"{stat.S_IMODE(found.st_mode):o}): they could replace the agent's "
+                          f"sockets; chmod go-w {path}, or {fix}")
 
 
 @dataclass(frozen=True)
@@ -335,7 +376,11 @@ class AgentConfig:
         "runtime_dir": _key(_as_str,
                             "Directory for the unix sockets (fd socket, unix data socket); "
                             "default /run/hixl if writable, else $XDG_RUNTIME_DIR/hixl, "
-                            "else /tmp/hixl-<uid>.", "path"),
+                            "else /tmp/hixl-<uid>. It must be owned by the agent's user and "
+                            "not writable by group or others (anyone who may write in it "
+                            "could replace the agent's sockets), or hixl-agent refuses to "
+                            "start; created 0700 (0711 when allowed_uids names other "
+                            "users).", "path"),
         "state_dir": _key(_as_str,
                           "Directory (0700, ours, not writable by others) for what must "
                           "survive a restart: each engine name's secret (owner-<name>-"

@@ -49,7 +49,7 @@ def build_agent_parser() -> argparse.ArgumentParser:
 
 def agent_main(argv: list[str] | None = None) -> int:
     """The hixl-agent console script."""
-    from hixl.server.config import AgentConfig
+    from hixl.server.config import AgentConfig, prepare_runtime_dir
 
     parser = build_agent_parser()
     args = parser.parse_args(argv)
@@ -66,6 +66,8 @@ def agent_main(argv: list[str] | None = None) -> int:
         token = load_token(config.cluster_token_file or None)
         config.server_tls()  # likewise an unusable TLS file (read again by the server)
         config.client_tls()
+        # before any socket is made in it: ours, and nobody else may write in it
+        prepare_runtime_dir(config.runtime_dir, config.allowed_uids)
     except ConfigError as exc:
         print(f"hixl-agent: {exc}", file=sys.stderr)
         return 2

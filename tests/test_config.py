@@ -213,3 +213,26 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_load_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HIXL_AGENT_DATA_PORT", "12345")
     assert AgentConfig.load(None, {}).data_port == 12345
+
+
+# ---------------------------------------------------------------- runtime dir (issue 15, item 10)
+
+
+def test_prepare_runtime_dir_creates_it_private_and_refuses_what_others_control(
+        tmp_path: Path) -> None:
+    from hixl.server.config import prepare_runtime_dir
+
+    fresh = tmp_path / "a" / "run"
+    prepare_runtime_dir(str(fresh))
+    assert fresh.stat().st_mode & 0o7777 == 0o700
+    prepare_runtime_dir(str(fresh))                              # ours: used as it is
+    shared = tmp_path / "shared"
+    prepare_runtime_dir(str(shared), [os.getuid(), 0, os.getuid() + 4242])
+    assert shared.stat().st_mode & 0o7777 == 0o711               # others may reach sockets
+    os.chmod(fresh, 0o775)
+    with pytest.raises(ConfigError, match=f"{fresh} is writable by group .*chmod go-w"):
+        prepare_runtime_dir(str(fresh))
+    not_dir = tmp_path / "file"
+    not_dir.write_text("")
+    with pytest.raises(ConfigError, match=f"{not_dir} is not a directory"):
+        prepare_runtime_dir(str(not_dir))
