@@ -16,6 +16,11 @@ Authentication: with a cluster token, a connection is served only after the HELL
 CHALLENGE / AUTH exchange of `hixl.wire` proved the token; a wrong or missing proof gets a
 NOT_AUTHENTICATED reply and the connection is closed before any WRITE/READ is looked at.
 
+Memory: a connection drops every view of segment memory it served (its last action and
+window) before it may block for the next frame, and WRITE windows before the reply
+leaves, so a segment deregistered while the connection idles is unmapped at once instead
+of staying pinned as a deferred unmap.
+
 Timeouts: a connection has `handshake_timeout` s (5) from accept to authenticate, and
 waits for its handshake in a budget of its own, apart from authenticated connections
 (`hixl.server.connections`): idle outsiders cannot keep token holders out. An
@@ -305,6 +310,9 @@ class _Connection:
         while True:
             start = self.start
             if self.end - start < wire.HEADER_SIZE:
+                # no view of a segment survives while the thread may block for the next
+                # frame: an idle connection must not keep a deregistered segment mapped
+                action = target = window = None
                 if not self._read_header():
                     return
                 start = self.start
@@ -329,6 +337,7 @@ class _Connection:
                         self.start = start + size
                     else:
                         self._receive(target)
+                    target = action = None  # the data is in; dropped before the reply goes out
                 else:
                     window = action.payload
                     size = len(window)
