@@ -9,7 +9,18 @@ own thread, and concurrent commits share an fsync (the journal's group commit).
 
 A call that fails as a call (a request that does not parse, an internal error, a
 reply over wire.MAX_CALL) is answered with error text, logged once under the caller's
-request id, and the connection stays open. Timeouts: a connection has `handshake_timeout`
+request id, and the connection stays open.
+
+Memory: a CALL's declared length is never allocated up front. Calls that fit the
+connection's 64 KiB receive buffer (every hot call but large batches) use it; a larger
+body grows its own buffer 1 MiB at a time as bytes arrive, each step reserved against
+`call_bytes_budget` (256 MiB), the bytes of large bodies held at once by all
+connections. A connection holds at most one call (at most wire.MAX_CALL) at a time. A
+step the budget cannot cover waits up to BUDGET_WAIT_S for other calls to finish; then
+the call is refused, unapplied, with error text (the client raises MasterRpcError),
+its remaining bytes are read and dropped and the connection goes on. A body has
+`body_timeout` s (10) from its header to its last byte: a stalled body closes the
+connection and frees what it held. Timeouts: a connection has `handshake_timeout`
 s to authenticate, in a pre-auth budget apart from authenticated connections
 (`hixl.server.connections`); an authenticated idle connection may wait for its next call
 indefinitely; once a frame has begun, a stall longer than `io_timeout` closes it.
@@ -20,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
+import time
 from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
@@ -42,6 +55,16 @@ from hixl.store_rpc import MESSAGES, METHODS
 log = logging.getLogger("hixl.store.rpc")
 
 _RECEIVE = 64 << 10  # a connection's receive buffer: most calls arrive in one recv
+#: bytes of large call bodies (over _RECEIVE) held at once by all connections
+CALL_BYTES_BUDGET = 256 << 20
+BUDGET_WAIT_S = 1.0  # a body step the budget cannot cover waits this long, then is refused
+BODY_TIMEOUT_S = 10.0  # a call body must arrive whole within this long of its header
+_GROW = 1 << 20  # a large body's buffer grows by this much as bytes arrive
+_ZEROS = bytes(_GROW)
+
+
+class _OverBudget(Exception):
+    """The call bytes budget stayed exhausted for BUDGET_WAIT_S."""
 
 
 class StoreCallServer(ThreadPerConnection):
@@ -62,6 +85,8 @@ class StoreCallServer(ThreadPerConnection):
                  io_timeout: float = 30.0, leadership: Leadership | None = None,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
                  preauth_connections: int = PREAUTH_CONNECTIONS,
+                 call_bytes_budget: int = CALL_BYTES_BUDGET,
+                 body_timeout: float = BODY_TIMEOUT_S,
                  start_thread: Callable[[threading.Thread], None] | None = None) -> None:
         self._calls = calls
         self._leadership = leadership
@@ -76,10 +101,42 @@ class StoreCallServer(ThreadPerConnection):
         #: started: thread_start_failures), closed in their handshake for a newer one
         #: (preauth_evicted) or for not authenticating in time (handshake_timeouts), closed
         #: for a bad frame or a stall, refused for a wrong or missing token; calls served
+        #: calls_over_budget: refused because call_bytes_budget stayed exhausted;
+        #: body_timeouts: connections closed because a call body did not arrive in time
         self.counters = dict.fromkeys(("connections", "connections_rejected",
                                        "thread_start_failures", "preauth_evicted",
                                        "handshake_timeouts", "protocol_errors",
-                                       "auth_failures", "calls"), 0)
+                                       "auth_failures", "calls", "calls_over_budget",
+                                       "body_timeouts"), 0)
+        self._budget = call_bytes_budget
+        self._body_timeout = body_timeout
+        self._held = 0  # bytes of large call bodies reserved now
+        self.held_peak = 0  # the most ever reserved at once
+        self._budget_cond = threading.Condition()
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Bytes of large call bodies held now (reserved against call_bytes_budget)."""
+        with self._budget_cond:
+            return self._held
+
+    def _reserve(self, amount: int, wait_until: float) -> bool:
+        """Reserve `amount` bytes of the call budget, waiting until `wait_until` at most."""
+        with self._budget_cond:
+            while self._held + amount > self._budget:
+                left = wait_until - time.monotonic()
+                if left <= 0 or self._stopping:
+                    return False
+                self._budget_cond.wait(left)
+            self._held += amount
+            self.held_peak = max(self.held_peak, self._held)
+            return True
+
+    def _unreserve(self, amount: int) -> None:
+        if amount:
+            with self._budget_cond:
+                self._held -= amount
+                self._budget_cond.notify_all()
 
     @property
     def port(self) -> int:
@@ -129,14 +186,33 @@ class _Connection:
         self.view = memoryview(self.buffer)
         self.start = 0  # unread bytes are buffer[start:end]
         self.end = 0
+        self.reserved = 0  # call budget bytes held by the body being received
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.server._unreserve(self.reserved)
+            self.reserved = 0
+
+    def _loop(self) -> None:
         proto = self.proto
         while True:
             header = self._take(wire.HEADER_SIZE, idle=True)
             action = proto.on_header(header)
             if isinstance(action, wire.ReadCall):
-                self._send(self._call(action, self._take(action.count)))
+                try:
+                    payload = self._take(action.count)
+                except _OverBudget as exc:
+                    self._send(self._over_budget(action, exc.args[0]))
+                    continue
+                try:
+                    reply = self._call(action, payload)
+                finally:
+                    del payload
+                    self.server._unreserve(self.reserved)
+                    self.reserved = 0
+                self._send(reply)
             elif isinstance(action, wire.ReadHello):
                 action = proto.on_hello(action.request_id, bytes(self._take(action.count)))
                 if isinstance(action, wire.Send):
@@ -199,15 +275,8 @@ class _Connection:
             start = self.start
             self.start += count
             return self.view[start:start + count]
-        if count > len(self.buffer):  # a large call: its own buffer
-            large = bytearray(count)
-            have = self.end - self.start
-            large[:have] = self.view[self.start:self.end]
-            self.start = self.end = 0
-            out = memoryview(large)
-            while have < count:
-                have += self._receive(out[have:], False)
-            return out
+        if count > len(self.buffer):  # a large call: its own buffer, grown as bytes arrive
+            return memoryview(self._take_large(count))
         if self.start:  # keep the unread bytes at the front
             have = self.end - self.start
             self.buffer[:have] = bytes(self.view[self.start:self.end])  # may overlap
@@ -216,6 +285,90 @@ class _Connection:
             self.end += self._receive(self.view[self.end:], idle and self.end == 0)
         self.start = count
         return self.view[:count]
+
+    def _take_large(self, count: int) -> bytearray:
+        """A body larger than the receive buffer: a buffer that grows _GROW bytes at a
+        time, each step reserved against the server's call budget, only once the bytes
+        before it have arrived; the whole body within body_timeout. Raises _OverBudget
+        (the rest of the body already read and dropped) or Stalled."""
+        server = self.server
+        deadline = time.monotonic() + server._body_timeout
+        large = bytearray()
+        have = self.end - self.start
+        filled = 0
+        try:
+            while filled < count:
+                if filled == len(large):
+                    step = min(_GROW, count - len(large))
+                    if not server._reserve(step, min(deadline, time.monotonic()
+                                                     + BUDGET_WAIT_S)):
+                        server._count("calls_over_budget")
+                        held = len(large)
+                        del large
+                        self.server._unreserve(self.reserved)
+                        self.reserved = 0
+                        self._skip(count - filled, deadline)
+                        raise _OverBudget(held)
+                    self.reserved += step
+                    large += _ZEROS[:step]
+                if have:  # what came with the header
+                    take = min(have, len(large) - filled)
+                    large[filled:filled + take] = self.view[self.start:self.start + take]
+                    self.start += take
+                    have -= take
+                    filled += take
+                    if not have:
+                        self.start = self.end = 0
+                    continue
+                with memoryview(large) as whole, whole[filled:] as into:
+                    filled += self._receive_by(into, deadline)
+        finally:
+            self._restore_timeout()
+        return large
+
+    def _skip(self, count: int, deadline: float) -> None:
+        """Read and drop `count` bytes of the stream (a refused call's body)."""
+        have = min(count, self.end - self.start)
+        self.start += have
+        count -= have
+        if self.start == self.end:
+            self.start = self.end = 0
+        scratch = memoryview(bytearray(min(count, _RECEIVE)))
+        while count:
+            count -= self._receive_by(scratch[:min(count, len(scratch))], deadline)
+
+    def _receive_by(self, into: memoryview, deadline: float) -> int:
+        """recv_into, given up (Stalled, the connection closes) once `deadline` passes."""
+        late = Stalled(f"a call body did not arrive within {self.server._body_timeout:g} s")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.server._count("body_timeouts")
+            raise late
+        left = min(left, self.server._io_timeout)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                             struct.pack("ll", int(left), int((left - int(left)) * 1e6) or 1))
+        try:
+            return self._receive(into, False)
+        except Stalled:
+            if time.monotonic() < deadline:
+                raise
+            self.server._count("body_timeouts")
+            raise late from None
+
+    def _restore_timeout(self) -> None:
+        timeout = self.server._io_timeout
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                 struct.pack("ll", int(timeout),
+                                             int((timeout - int(timeout)) * 1e6)))
+
+    def _over_budget(self, action: wire.ReadCall, held: int) -> bytes:
+        method = METHODS.get(action.method, str(action.method))
+        text = (f"{method}: refused, not applied: the master holds its limit of "
+                f"{self.server._budget} bytes of large call bodies in flight (this call of "
+                f"{action.count} bytes got {held}); retry, or send fewer keys per call")
+        log.warning("store call refused: %s", text)
+        return wire.error_reply(action.request_id, wire.Reason.INTERNAL, text)
 
     def _receive(self, into: memoryview, idle: bool) -> int:
         while True:
