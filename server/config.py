@@ -102,6 +102,7 @@ def default_state_dir() -> str:
 
 
 def _default_uids() -> list[int]:
+    """The agent's uid and root: what allowed_uids is when unset or empty."""
     return sorted({os.getuid(), 0})
 
 
@@ -359,6 +360,12 @@ class AgentConfig:
     tls_ca_file: str = ""
     tls_client_auth: bool = False
 
+    def __post_init__(self) -> None:
+        # resolved here, for agents built directly (embedded in an engine) too: the fd
+        # server reads an empty set as "every uid"
+        if not self.allowed_uids:
+            self.allowed_uids = _default_uids()
+
     # key -> converter, documentation, type; kept beside the fields and checked to match.
     KEYS = {
         "host": _key(_as_str,
@@ -415,8 +422,10 @@ class AgentConfig:
         "socket_mode": _key(_as_mode,
                             "File mode of the unix sockets (octal, default 0660).", "mode"),
         "allowed_uids": _key(_as_uid_list,
-                             "User ids allowed on the fd socket (SO_PEERCRED check); default "
-                             "the agent's uid and root.", "list[int]"),
+                             "User ids allowed on the fd socket (SO_PEERCRED check): exactly "
+                             "those listed. Unset or an empty list: the agent's uid and "
+                             "root (an empty list admitted every uid before; no setting "
+                             "does now: list each uid).", "list[int]"),
         "log_level": _key(_as_log_level, "DEBUG, INFO (default), WARNING or ERROR.", "str"),
         "log_json": _key(_as_bool, "Log one JSON object per line instead of text.", "bool"),
         "cluster_token_file": _key(_as_str,

@@ -236,3 +236,20 @@ def test_prepare_runtime_dir_creates_it_private_and_refuses_what_others_control(
     not_dir.write_text("")
     with pytest.raises(ConfigError, match=f"{not_dir} is not a directory"):
         prepare_runtime_dir(str(not_dir))
+
+
+# ---------------------------------------------------------------- allowed_uids (issue 15, item 11)
+
+
+def test_an_empty_allowed_uids_is_the_agents_uid_and_root_not_everyone(tmp_path: Path) -> None:
+    """The fd server admits every uid when its set is empty: an empty list from any
+    source (file, environment, flags, or an engine's own AgentConfig) resolves to the
+    default, the agent's uid and root, and --describe-config says so."""
+    default = sorted({os.getuid(), 0})
+    assert AgentConfig.load(write(tmp_path, "allowed_uids: []\n"), {}, {}).allowed_uids == default
+    assert AgentConfig.load(None, {}, {"HIXL_AGENT_ALLOWED_UIDS": ""}).allowed_uids == default
+    assert AgentConfig.load(None, {"allowed_uids": []}, {}).allowed_uids == default
+    assert AgentConfig(allowed_uids=[]).allowed_uids == default
+    assert AgentConfig.load(None, {"allowed_uids": [42]}, {}).allowed_uids == [42]  # exactly
+    doc = AgentConfig.describe()["allowed_uids"]["doc"]
+    assert "empty list: the agent's uid and root" in doc and "exactly" in doc
