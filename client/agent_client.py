@@ -83,6 +83,9 @@ class AgentClient:
         self._channel, channel = open_channel(target, token=as_token(cluster_token), tls=tls,
                                               options=CHANNEL_OPTIONS)
         self._stub = agent_pb2_grpc.AgentStub(channel)
+        # (segment id, epoch) -> the release key of each segment this client created
+        self._release_keys: dict[tuple[int, int], bytes] = {}
+        self._keys_lock = threading.Lock()
 
     def _call(self, method: str, request: Any, what: str, timeout: float | None) -> Any:
         try:
@@ -115,7 +118,7 @@ class AgentClient:
             size=size, perms=int(_perm(perms)), name=name, owner=owner,
             allowed_engines=check_allowed_engines(allowed_engines)),
             f"allocate {size} bytes", timeout)
-        return segment_from_pb(reply.segment)
+        return self._created(reply)
 
     def register_fd(self, fd: int, length: int, fd_socket: str, perms: Perm = Perm.RW,
                     name: str = "", owner: str = "", timeout: float | None = None, *,
@@ -128,11 +131,25 @@ class AgentClient:
         reply = self._call("RegisterSegment", agent_pb2.RegisterSegmentRequest(
             fd_ticket=ticket, length=length, perms=int(_perm(perms)), name=name, owner=owner,
             allowed_engines=allowed), f"register {length} bytes", timeout)
-        return segment_from_pb(reply.segment)
+        return self._created(reply)
+
+    def _created(self, reply: Any) -> SegmentInfo:
+        """A segment this client created: its release key is kept for `deregister`."""
+        segment = segment_from_pb(reply.segment)
+        with self._keys_lock:
+            self._release_keys[(segment.segment_id, segment.epoch)] = reply.release_key
+        return segment
 
     def deregister(self, segment_id: int, epoch: int, timeout: float | None = None) -> None:
+        """Withdraw a segment this client allocated or registered (the agent checks the
+        release key it gave this client; any other segment is PermissionDenied)."""
+        with self._keys_lock:
+            key = self._release_keys.get((segment_id, epoch), b"")
         self._call("DeregisterSegment", agent_pb2.DeregisterSegmentRequest(
-            segment_id=segment_id, epoch=epoch), f"deregister segment {segment_id}", timeout)
+            segment_id=segment_id, epoch=epoch, release_key=key),
+            f"deregister segment {segment_id}", timeout)
+        with self._keys_lock:
+            self._release_keys.pop((segment_id, epoch), None)
 
     def health(self, timeout: float | None = None) -> dict[str, Any]:
         """status, engine, node_id, epoch, uptime_s, segments, segment_bytes, peers (list

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hmac
 import itertools
 import logging
 import os
+import secrets
 import stat
 import threading
 import time
@@ -83,6 +85,9 @@ class _Entry:
     owned: list[Any] = field(default_factory=list)  # Mapping / fd ints to release
     offset: int = 0                 # where the segment starts in the exported file
     slot: int = 0                   # its liveness word (hixl.segment_states); 0: none
+    # proof a remote caller must give to deregister it: the client that allocated or
+    # registered it over gRPC got it; b"": only this process may (pool, embedded memory)
+    release_key: bytes = b""
 
 
 class Agent:
@@ -288,14 +293,38 @@ class Agent:
             os.close(own_fd)
             raise
 
-    def deregister(self, segment_id: int, epoch: int | None = None) -> SegmentInfo:
-        """Stop serving a segment (frames naming it are refused from now on)."""
+    def release_key(self, segment_id: int) -> bytes:
+        """A new key that a remote caller must present to deregister the segment (see
+        `deregister`): given to the client that created it, and to nobody else."""
+        key = secrets.token_bytes(16)
+        with self._lock:
+            entry = self._entries.get(segment_id)
+            if entry is None:
+                raise ParamInvalid(f"segment {segment_id} is not registered")
+            entry.release_key = key
+        return key
+
+    def deregister(self, segment_id: int, epoch: int | None = None, *,
+                   release_key: bytes | None = None) -> SegmentInfo:
+        """Stop serving a segment (frames naming it are refused from now on).
+
+        `release_key`: for a remote caller (None: this process, trusted), the key the
+        segment's creator was given; the agent's pool and memory an embedded engine
+        registered have none, so no remote caller may withdraw them."""
         with self._lock:
             self._check_epoch(segment_id, epoch)
             entry = self._entries.get(segment_id)
             if entry is None:
                 raise ParamInvalid(
                     f"segment {segment_id} is not registered (already deregistered?)")
+            if release_key is not None and not (
+                    entry.release_key and hmac.compare_digest(release_key, entry.release_key)):
+                raise PermissionDenied(
+                    f"segment {segment_id} ({entry.info.name or entry.kind}, owner "
+                    f"{entry.owner or '-'}) may be deregistered only by the client that "
+                    + ("allocated or registered it (with the release key its reply carried)"
+                       if entry.release_key else "owns it in-process: the agent's pool or an "
+                       "engine's own registration"))
             if entry.slot:
                 self.states.release(entry.slot)  # mapped peers see it gone from now on
             del self._served[segment_id]

@@ -160,9 +160,10 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             info = await asyncio.to_thread(self._agent.allocate, request.size, perms,
                                            request.name, request.owner,
                                            allowed_engines=list(request.allowed_engines))
+            key = self._agent.release_key(info.segment_id)
         except HixlError as exc:
             await abort_with(context, exc)
-        return agent_pb2.SegmentReply(segment=segment_to_pb(info))
+        return agent_pb2.SegmentReply(segment=segment_to_pb(info), release_key=key)
 
     async def RegisterSegment(self, request: agent_pb2.RegisterSegmentRequest,
                               context: grpc.aio.ServicerContext) -> agent_pb2.SegmentReply:
@@ -179,16 +180,18 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
                                                allowed_engines=list(request.allowed_engines))
             finally:
                 os.close(fd)  # the agent keeps its own duplicate
+            key = self._agent.release_key(info.segment_id)
         except HixlError as exc:
             await abort_with(context, exc)
-        return agent_pb2.SegmentReply(segment=segment_to_pb(info))
+        return agent_pb2.SegmentReply(segment=segment_to_pb(info), release_key=key)
 
     async def DeregisterSegment(self, request: agent_pb2.DeregisterSegmentRequest,
                                 context: grpc.aio.ServicerContext
                                 ) -> agent_pb2.DeregisterSegmentReply:
         try:
             # epochs are never 0, so 0 (the proto default) means "not given"
-            self._agent.deregister(request.segment_id, request.epoch or None)
+            self._agent.deregister(request.segment_id, request.epoch or None,
+                                   release_key=request.release_key)
         except HixlError as exc:
             await abort_with(context, exc)
         return agent_pb2.DeregisterSegmentReply()

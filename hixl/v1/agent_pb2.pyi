@@ -172,18 +172,22 @@ class RegisterSegmentRequest(_message.Message):
     def __init__(self, fd_ticket: _Optional[str] = ..., length: _Optional[int] = ..., perms: _Optional[int] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., allowed_engines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SegmentReply(_message.Message):
-    __slots__ = ("segment",)
+    __slots__ = ("segment", "release_key")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_KEY_FIELD_NUMBER: _ClassVar[int]
     segment: Segment
-    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ...) -> None: ...
+    release_key: bytes
+    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., release_key: _Optional[bytes] = ...) -> None: ...
 
 class DeregisterSegmentRequest(_message.Message):
-    __slots__ = ("segment_id", "epoch")
+    __slots__ = ("segment_id", "epoch", "release_key")
     SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_KEY_FIELD_NUMBER: _ClassVar[int]
     segment_id: int
     epoch: int
-    def __init__(self, segment_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    release_key: bytes
+    def __init__(self, segment_id: _Optional[int] = ..., epoch: _Optional[int] = ..., release_key: _Optional[bytes] = ...) -> None: ...
 
 class DeregisterSegmentReply(_message.Message):
     __slots__ = ()
