@@ -90,8 +90,13 @@ def default_runtime_dir() -> str:
 
 
 def default_state_dir() -> str:
-    """/var/lib/hixl if this user may create or write it, else $XDG_STATE_HOME/hixl, else
-    ~/.local/state/hixl: a place that survives reboots (unlike runtime_dir)."""
+    """$HIXL_AGENT_STATE_DIR (also for agents embedded in an engine, which read no other
+    environment), else /var/lib/hixl if this user may create or write it, else
+    $XDG_STATE_HOME/hixl, else ~/.local/state/hixl: a place that survives reboots (unlike
+    runtime_dir)."""
+    chosen = os.environ.get("HIXL_AGENT_STATE_DIR", "")
+    if chosen:
+        return chosen
     if os.access("/var/lib/hixl", os.W_OK) or (
             not os.path.exists("/var/lib/hixl") and os.access("/var/lib", os.W_OK)):
         return "/var/lib/hixl"

@@ -42,7 +42,7 @@ from hixl.registry_client import (
     agent_owner_key,
 )
 from hixl.server.agent import Agent
-from hixl.server.config import AgentConfig
+from hixl.server.config import AgentConfig, prepare_runtime_dir
 from hixl.server.data_server import Peer
 from hixl.server.fd_server import FdServer, TicketBook, prepare_socket_path
 from hixl.server.grpc_service import AgentServicer, Endpoints, RegistryState
@@ -340,7 +340,9 @@ class AgentServer:
 
     async def _astart(self) -> None:
         cfg = self.config
-        os.makedirs(cfg.runtime_dir, mode=0o755, exist_ok=True)
+        # ours, not writable by others (whoever may write there could plant a fake fd
+        # socket): for agents embedded in engines as for hixl-agent
+        prepare_runtime_dir(cfg.runtime_dir, cfg.allowed_uids)
         token = self._cluster_token
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=server_interceptors(token))
         self._grpc = server

@@ -54,11 +54,25 @@ def agent_command(config_path: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "hixl.server.main", "--config", config_path, *args]
 
 
+# Agents keep a per-engine owner secret in their state dir (hixl.registry_client): the
+# tests' agents, embedded ones included, keep theirs in one private directory per run,
+# never in the host's /var/lib/hixl.
+TEST_STATE_DIR = tempfile.mkdtemp(prefix="hixl-test-state-")
+os.environ["HIXL_AGENT_STATE_DIR"] = TEST_STATE_DIR
+
+
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test's environment without HIXL_AGENT_* (so the host's settings never leak in)."""
+    """The test's environment without HIXL_AGENT_* (so the host's settings never leak in;
+    `agent_process` puts the private state dir into its agents' YAML instead)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_AGENT_")}
     env.update(extra or {})
     return env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_dir() -> Iterator[None]:
+    yield
+    shutil.rmtree(TEST_STATE_DIR, ignore_errors=True)
 
 
 def wait_ready(proc: subprocess.Popen[str], log_path: str, timeout: float) -> str:
@@ -105,7 +119,8 @@ def agent_process() -> Iterator[Callable[..., AgentProcess]]:
         workdir = tempfile.mkdtemp(prefix="hxa-")
         runtime_dir = os.path.join(workdir, "run")
         settings: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "data_port": 0,
-                                    "runtime_dir": runtime_dir, "log_level": "INFO"}
+                                    "runtime_dir": runtime_dir, "log_level": "INFO",
+                                    "state_dir": TEST_STATE_DIR}
         settings.update(config or {})
         config_path = os.path.join(workdir, "agent.yaml")
         with open(config_path, "w", encoding="utf-8") as f:
