@@ -818,8 +818,10 @@ class SocketTransport(Transport):
             if self._helpers is None:
                 self._helpers = concurrent.futures.ThreadPoolExecutor(
                     max_workers=self._max_connections, thread_name_prefix="hixl-stripe")
-            helpers = self._helpers
-        futures = [helpers.submit(_run_lane, conn, frames, deadline) for conn, frames in lanes[1:]]
+            # submitted under the lock: close() cannot shut the pool down in between (a
+            # submit after its shutdown raised RuntimeError instead of NotConnected)
+            futures = [self._helpers.submit(_run_lane, conn, frames, deadline)
+                       for conn, frames in lanes[1:]]
         outcomes = [_run_lane(*lanes[0], deadline)]
         for (conn, _), future in zip(lanes[1:], futures, strict=True):
             try:
