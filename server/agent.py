@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hixl import wire
+from hixl.control import segment_to_pb
 from hixl.errors import (
     HixlError,
     OutOfRange,
@@ -54,6 +55,61 @@ UNSEALED = ("{what}: the file is not sealed against shrinking and growing: anyon
             "an fd on it could truncate it under the agent, which would then crash (SIGBUS) "
             "on its next access; create it with memfd_create(MFD_ALLOW_SEALING) and add "
             "F_SEAL_SHRINK | F_SEAL_GROW after sizing it (hixl.memory.ShmSegment does)")
+
+#: Default of the config key `max_segments`: segments clients may hold at once
+#: (AllocateSegment and RegisterSegment together; the pool and an embedded engine's own
+#: registrations do not count). Each holds two fds and a mapping in the agent.
+MAX_SEGMENTS = 4096
+#: A segment name's limit in UTF-8 bytes: Mooncake transfer notifications travel as the
+#: names of 1-byte segments (client/mooncake, at most 64 KiB), so names stay that long;
+#: the table limit below is what keeps replies small.
+MAX_NAME_BYTES = 64 << 10
+#: An owner's limit in UTF-8 bytes (an engine name, "host:port", is at most 255).
+MAX_OWNER_BYTES = 256
+#: The most bytes the segment table may take serialized: Handshake, ListSegments and the
+#: WatchSegments snapshot carry all of it, and clients receive at most 4 MiB a reply
+#: (gRPC's default); 3 MiB leaves room for the rest of the reply.
+TABLE_BYTES_LIMIT = 3 << 20
+
+
+def segment_ceiling() -> tuple[int, str]:
+    """The most segments this process can hold safely, and what sets it: a quarter of the
+    soft RLIMIT_NOFILE (each segment keeps two fds, its file's and the one mmap keeps, so
+    segments take at most half; the rest is for connections) and half of
+    vm.max_map_count (each keeps a mapping; the rest is for the interpreter)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling, why = 1 << 62, ""
+    if soft != resource.RLIM_INFINITY and soft // 4 < ceiling:
+        ceiling, why = soft // 4, (f"a quarter of the open-files limit (ulimit -n {soft}; "
+                                   "each segment keeps 2 fds)")
+    try:
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as f:
+            maps = int(f.read().strip())
+    except (OSError, ValueError):
+        maps = 0
+    if maps and maps // 2 < ceiling:
+        ceiling, why = maps // 2, f"half of vm.max_map_count ({maps})"
+    return max(ceiling, 1), why
+
+
+def _check_text(value: object, what: str, limit: int) -> str:
+    """`value` if it is a string of at most `limit` UTF-8 bytes, else ParamInvalid."""
+    if not isinstance(value, str):
+        raise ParamInvalid(f"segment {what} must be a string, got {type(value).__name__}")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise ParamInvalid(f"segment {what} is {size} bytes (UTF-8); at most {limit} are "
+                           f"allowed ({what} limit of the agent)")
+    return value
+
+
+def _table_bytes(info: SegmentInfo) -> int:
+    """What one segment adds to a reply carrying the table (its tag and length too)."""
+    size = segment_to_pb(info).ByteSize()
+    return size + 1 + max(1, (size.bit_length() + 6) // 7)
+
 
 EPOCH_ORIGIN_S = 1_767_225_600  # 2026-01-01T00:00:00Z
 
@@ -88,17 +144,31 @@ class _Entry:
     # proof a remote caller must give to deregister it: the client that allocated or
     # registered it over gRPC got it; b"": only this process may (pool, embedded memory)
     release_key: bytes = b""
+    limited: bool = False           # counts against max_segments (created by a client)
+    table_bytes: int = 0            # what it adds to a reply carrying the table
 
 
 class Agent:
     """Segments served by one agent process, keyed by segment id and by address."""
 
     def __init__(self, engine_name: str, node_id: str, *, pool_max_bytes: int = 1 << 30,
-                 epoch: int | None = None) -> None:
+                 epoch: int | None = None, max_segments: int = MAX_SEGMENTS) -> None:
+        """`max_segments`: segments clients may hold at once (config key max_segments);
+        lowered to what the process can hold (`segment_ceiling`), logged once."""
         self.engine_name = engine_name
         self.node_id = node_id
         self.epoch = epoch if epoch is not None else new_epoch()
         self.pool_max_bytes = pool_max_bytes
+        ceiling, why = segment_ceiling()
+        self.max_segments = min(max_segments, ceiling)
+        #: why max_segments is what it is, for refusals
+        self._limit_reason = f"config key 'max_segments'={max_segments}"
+        if ceiling < max_segments:
+            self._limit_reason += f", lowered to {why}"
+            log.warning("max_segments %d lowered to %d: %s; raise the limit to allow more",
+                        max_segments, ceiling, why)
+        self._limited = 0    # segments counting against max_segments
+        self._table_total = 0  # bytes the table takes serialized
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
         self._served: dict[int, wire.ServedSegment] = {}
@@ -139,6 +209,10 @@ class Agent:
             out["pool_bytes_charged"] = self._charged
             out["pool_bytes_max"] = self.pool_max_bytes
             out["deferred_unmaps"] = len(self._deferred)
+            out["client_segments"] = self._limited
+            out["max_segments"] = self.max_segments
+            out["table_bytes"] = self._table_total
+            out["table_bytes_limit"] = TABLE_BYTES_LIMIT
         return out
 
     def segment_totals(self) -> dict[str, tuple[int, int]]:
@@ -191,12 +265,14 @@ class Agent:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ParamInvalid(f"allocation size must be a positive integer, got {size!r}")
         perms = _check_perms(perms)
+        name, owner = _check_names(name, owner)
         allowed = check_allowed_engines(allowed_engines)
         rounded = round_up(size)
         self._retry_deferred()  # memory whose last view has gone since counts as free again
         with self._lock:
             self._check_open()
             if budgeted:
+                self._check_count(name, owner)  # before making a memfd; _add checks again
                 available = self.pool_max_bytes - self._charged
                 if rounded > available:
                     raise ResourceExhausted(
@@ -216,7 +292,7 @@ class Agent:
                 kind="allocated", base=shm.addr, length=shm.length, perms=perms, name=name,
                 owner=owner, memory=shm.view(), export=lambda w: shm.export_fd(writable=w),
                 owned=[shm], charged=rounded if budgeted else 0, counter="allocations",
-                allowed=allowed)
+                allowed=allowed, limited=budgeted)
         except BaseException:
             if budgeted:
                 with self._lock:
@@ -237,6 +313,7 @@ class Agent:
         """
         check_range(addr, length, "register_memory")
         perms = _check_perms(perms)
+        name, owner = _check_names(name, owner)
         allowed = check_allowed_engines(allowed_engines)
         offset = 0
         if shm is not None:
@@ -265,7 +342,10 @@ class Agent:
         if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
             raise ParamInvalid(f"register_fd: length must be a positive integer, got {length!r}")
         perms = _check_perms(perms)
+        name, owner = _check_names(name, owner)
         allowed = check_allowed_engines(allowed_engines)
+        with self._lock:
+            self._check_count(name, owner)  # before mapping; _add checks again
         try:
             st = os.fstat(fd)
         except OSError as exc:
@@ -287,7 +367,8 @@ class Agent:
             return self._add(
                 kind="fd", base=mapping.addr, length=length, perms=perms, name=name,
                 owner=owner, memory=mapping.view(), export=lambda w: _reopen(own_fd, w),
-                owned=[mapping, own_fd], charged=0, counter="registrations", allowed=allowed)
+                owned=[mapping, own_fd], charged=0, counter="registrations", allowed=allowed,
+                limited=True)
         except BaseException:
             _release(mapping)
             os.close(own_fd)
@@ -330,6 +411,8 @@ class Agent:
             del self._served[segment_id]
             del self._entries[segment_id]
             self._table.remove(entry.info.base)
+            self._limited -= entry.limited
+            self._table_total -= entry.table_bytes
             self._counters["deregistrations"] += 1
             self._notify(REMOVED, [entry.info])
             info, owned, charged, entry.owned = entry.info, entry.owned, entry.charged, []
@@ -391,6 +474,7 @@ class Agent:
             self._table.clear()
             self._listeners.clear()
             self._charged = 0
+            self._limited = self._table_total = 0
             self._deferred = [(mapping, 0) for mapping, _ in self._deferred]
             self.states.close()  # every mapped peer sees every segment gone
         owned = [item for entry in entries for item in entry.owned]
@@ -403,26 +487,41 @@ class Agent:
     def _add(self, *, kind: str, base: int, length: int, perms: Perm, name: str, owner: str,
              memory: memoryview, export: Callable[[bool], int] | None, owned: list[Any],
              charged: int, counter: str, allowed: tuple[str, ...] = (),
-             offset: int = 0) -> SegmentInfo:
+             offset: int = 0, limited: bool = False) -> SegmentInfo:
+        """Publish a segment; `limited`: a client's, counted against max_segments. Every
+        segment counts against TABLE_BYTES_LIMIT."""
         with self._lock:
             self._check_open()
+            if limited:
+                self._check_count(name, owner)
             segment_id = next(self._ids)
+            info = SegmentInfo(
+                segment_id=segment_id, engine=self.engine_name, node_id=self.node_id,
+                base=base, length=length, mem_type=MemType.MEM_HOST, perms=perms,
+                epoch=self.epoch, shareable=export is not None, name=name,
+                allowed_engines=allowed)
+            size = _table_bytes(info)
+            if self._table_total + size > TABLE_BYTES_LIMIT:
+                raise ResourceExhausted(
+                    f"cannot add segment {name[:64] or 'unnamed'!r} for "
+                    f"{owner[:64] or 'unknown owner'!r}: the segment table would take "
+                    f"{self._table_total + size} bytes serialized, over the agent's "
+                    f"limit of {TABLE_BYTES_LIMIT} (table bytes limit: Handshake and "
+                    "ListSegments replies must stay under clients' 4 MiB); shorter names "
+                    "and allowed_engines lists, or fewer segments, fit")
             self._table.insert(base, length, segment_id)  # refuses overlaps
             try:
                 slot = self.states.claim(segment_id) if export is not None else 0
             except BaseException:
                 self._table.remove(base)
                 raise
-            info = SegmentInfo(
-                segment_id=segment_id, engine=self.engine_name, node_id=self.node_id,
-                base=base, length=length, mem_type=MemType.MEM_HOST, perms=perms,
-                epoch=self.epoch, shareable=export is not None, name=name,
-                allowed_engines=allowed)
             served = wire.ServedSegment(segment_id, self.epoch, base, length, perms, memory,
                                         frozenset(allowed) if allowed else None)
             self._entries[segment_id] = _Entry(info, served, kind, owner, charged, export, owned,
-                                               offset, slot)
+                                               offset, slot, limited=limited, table_bytes=size)
             self._served[segment_id] = served
+            self._limited += limited
+            self._table_total += size
             self._counters[counter] += 1
             self._notify(ADDED, [info])
         self._retry_deferred()
@@ -430,6 +529,16 @@ class Agent:
                  name or "-", base, length, perms, owner or "-",
                  f" allowed_engines={','.join(allowed)}" if allowed else "")
         return info
+
+    def _check_count(self, name: str, owner: str) -> None:
+        """ResourceExhausted when clients hold max_segments segments (under the lock)."""
+        if self._limited >= self.max_segments:
+            raise ResourceExhausted(
+                f"cannot add segment {name[:64] or 'unnamed'!r} for "
+                f"{owner[:64] or 'unknown owner'!r}: clients hold {self._limited} segments, "
+                f"the agent's limit (max_segments={self.max_segments}: "
+                f"{self._limit_reason}); release some, or raise max_segments "
+                "(HIXL_AGENT_MAX_SEGMENTS)")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -483,6 +592,12 @@ def _release(mapping: Mapping) -> bool:
     except BufferError:
         return False
     return True
+
+
+def _check_names(name: object, owner: object) -> tuple[str, str]:
+    """A segment's name and owner, within MAX_NAME_BYTES / MAX_OWNER_BYTES."""
+    return _check_text(name, "name", MAX_NAME_BYTES), _check_text(owner, "owner",
+                                                                  MAX_OWNER_BYTES)
 
 
 def _check_perms(perms: object) -> Perm:

@@ -30,6 +30,7 @@ import yaml
 from hixl.control import node_identity
 from hixl.errors import ConfigError, ParamInvalid
 from hixl.failover import parse_addresses
+from hixl.server.agent import MAX_SEGMENTS
 from hixl.tls import ClientTLS, ServerTLS
 from hixl.types import Perm, check_allowed_engines
 
@@ -352,6 +353,7 @@ class AgentConfig:
     node_id: str = field(default_factory=node_identity)
     pool: list[PoolEntry] = field(default_factory=list)
     pool_max_bytes: int = 1 << 30
+    max_segments: int = MAX_SEGMENTS
     master: str = ""
     lease_ttl_ms: int = 10_000
     socket_mode: int = 0o660
@@ -415,6 +417,17 @@ class AgentConfig:
         "pool_max_bytes": _key(_as_size,
                                "Budget for segments clients allocate at run time "
                                "(AllocateSegment); default 1GiB.", "size"),
+        "max_segments": _key(_as_positive_int,
+                             "Segments clients may hold at once (AllocateSegment and "
+                             "RegisterSegment together; the pool does not count): each "
+                             "keeps two fds and a memory mapping in the agent, so tiny "
+                             "segments would otherwise exhaust both. Past it a new one "
+                             "fails with RESOURCE_EXHAUSTED. Default "
+                             f"{MAX_SEGMENTS}; lowered at start to a quarter of the "
+                             "open-files limit (ulimit -n) or half vm.max_map_count when "
+                             "either is smaller. Whatever the count, the whole table must fit in "
+                             "3 MiB serialized (Handshake and ListSegments replies).",
+                             "int"),
         "master": _key(_as_master,
                        "hixl-master address (\"host:port\") to publish segments to, or "
                        "every master of the cluster, comma-separated (\"h1:p1,h2:p2\": the "

@@ -29,7 +29,7 @@ def build_agent_parser() -> argparse.ArgumentParser:
                     "--config FILE, then HIXL_AGENT_<KEY> environment variables, then flags.")
     parser.add_argument("--config", metavar="FILE", help="YAML config file")
     for key in ("host", "grpc_port", "data_port", "runtime_dir", "node_id", "master",
-                "pool_max_bytes", "lease_ttl_ms", "log_level", "cluster_token_file",
+                "pool_max_bytes", "max_segments", "lease_ttl_ms", "log_level", "cluster_token_file",
                 "metrics_port", "tls_cert_file", "tls_key_file", "tls_ca_file"):
         parser.add_argument("--" + key.replace("_", "-"), dest=key, metavar=key.upper(),
                             help=keys[key]["doc"])

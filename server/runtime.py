@@ -357,7 +357,8 @@ class AgentServer:
         if cfg.metrics_port:  # before the pool is pre-faulted: a taken port fails fast
             self.metrics = MetricsServer(self.metrics_registry, cfg.host, cfg.metrics_port,
                                          "key 'metrics_port'")
-        agent = Agent(self.engine_name, cfg.node_id, pool_max_bytes=cfg.pool_max_bytes)
+        agent = Agent(self.engine_name, cfg.node_id, pool_max_bytes=cfg.pool_max_bytes,
+                      max_segments=cfg.max_segments)
         self.agent = agent
 
         for entry in cfg.pool:
