@@ -31,6 +31,7 @@ from hixl.control import node_identity
 from hixl.errors import ConfigError, ParamInvalid
 from hixl.failover import parse_addresses
 from hixl.server.agent import MAX_SEGMENTS
+from hixl.server.connections import HANDSHAKE_TIMEOUT_S, PREAUTH_CONNECTIONS
 from hixl.tls import ClientTLS, ServerTLS
 from hixl.types import Perm, check_allowed_engines
 
@@ -217,6 +218,36 @@ def _as_positive_int(value: object, text: bool) -> int:
     return number
 
 
+#: the most a handshake may be given, in seconds: longer lets idle outsiders hold
+#: pre-auth slots for that long
+MAX_HANDSHAKE_TIMEOUT_S = 600.0
+#: the most pending (pre-auth) connections per listener: each is a thread and an fd
+MAX_PREAUTH_CONNECTIONS = 4096
+
+
+def _as_handshake_timeout(value: object, text: bool) -> float:
+    """Seconds in (0, MAX_HANDSHAKE_TIMEOUT_S]: an int, a float or their text."""
+    if text and isinstance(value, str):
+        try:
+            seconds = float(value.strip())
+        except ValueError:
+            raise ValueError(f"must be a number of seconds, got {value!r}") from None
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"must be a number of seconds, got {type(value).__name__} {value!r}")
+    else:
+        seconds = float(value)
+    if not 0.0 < seconds <= MAX_HANDSHAKE_TIMEOUT_S:  # also refuses nan
+        raise ValueError(f"must be in (0, {MAX_HANDSHAKE_TIMEOUT_S:g}] seconds, got {value!r}")
+    return seconds
+
+
+def _as_preauth_connections(value: object, text: bool) -> int:
+    number = _as_int(value, text)
+    if not 1 <= number <= MAX_PREAUTH_CONNECTIONS:
+        raise ValueError(f"must be in [1, {MAX_PREAUTH_CONNECTIONS}], got {number}")
+    return number
+
+
 def _as_bool(value: object, text: bool) -> bool:
     if text and isinstance(value, str):
         word = value.strip().lower()
@@ -348,6 +379,8 @@ class AgentConfig:
     grpc_port: int = DEFAULT_GRPC_PORT
     data_port: int = 0
     data_unix: bool = True
+    data_handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    data_preauth_connections: int = PREAUTH_CONNECTIONS
     runtime_dir: str = field(default_factory=default_runtime_dir)
     state_dir: str = field(default_factory=default_state_dir)
     node_id: str = field(default_factory=node_identity)
@@ -387,6 +420,21 @@ class AgentConfig:
                           "Also serve the data path on a unix socket "
                           "<runtime_dir>/agent-<grpc_port>.data.sock for same-node peers.",
                           "bool"),
+        "data_handshake_timeout_s": _key(
+            _as_handshake_timeout,
+            "Seconds a new data connection (TCP or unix) has, from accept, to complete its "
+            "handshake (HELLO, and the cluster-token proof with a token); past it the agent "
+            f"closes it. Default {HANDSHAKE_TIMEOUT_S:g}; at most "
+            f"{MAX_HANDSHAKE_TIMEOUT_S:g}. Shorter frees the slots idle outsiders hold "
+            "sooner; it must cover a few round trips to the farthest client.", "float"),
+        "data_preauth_connections": _key(
+            _as_preauth_connections,
+            "Data connections that may wait for their handshake at once, per listener (TCP, "
+            "unix socket), apart from authenticated connections: when they are all taken, "
+            "the oldest is closed to take a newcomer, so connections that never "
+            "authenticate cannot keep token holders out. Default "
+            f"{PREAUTH_CONNECTIONS}; at most {MAX_PREAUTH_CONNECTIONS} (each is a thread "
+            "and an fd).", "int"),
         "runtime_dir": _key(_as_str,
                             "Directory for the unix sockets (fd socket, unix data socket); "
                             "default /run/hixl if writable, else $XDG_RUNTIME_DIR/hixl, "

@@ -50,7 +50,7 @@ from hixl.etcd import UNAVAILABLE_ERRORS, Compare, Election, EtcdClient, EtcdCon
 from hixl.failover import parse_address
 from hixl.logs import setup_logging
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
-from hixl.server.config import describe_keys, keys_from_parser, layer_values
+from hixl.server.config import describe_keys, keys_from_parser, layer_values, parse_size
 from hixl.server.leadership import Candidate, LeaderGate, Leadership
 from hixl.server.metadata import LocalJournalBackend, MetadataBackend
 from hixl.server.registry import (
@@ -61,7 +61,7 @@ from hixl.server.registry import (
     start_expiry,
 )
 from hixl.server.store import ALLOCATION_STRATEGIES, ObjectStore, StoreOptions
-from hixl.server.store_rpc_server import StoreCallServer
+from hixl.server.store_rpc_server import BODY_TIMEOUT_S, CALL_BYTES_BUDGET, StoreCallServer
 from hixl.server.store_service import StoreCalls, add_store_service, upkeep_forever
 from hixl.tls import ENV_CA_FILE, ENV_CERT_FILE, ENV_KEY_FILE, ServerTLS
 
@@ -73,6 +73,10 @@ ENV_PREFIX = "HIXL_MASTER_"
 #: parser dests that are not settings
 COMMAND_ONLY_DESTS = ("help", "config", "describe_config")
 STOP_GRACE_S = 1.0
+#: keys given in bytes or with a unit ("256MiB"), like the agent's sizes
+SIZE_KEYS = ("call_bytes_budget",)
+#: the smallest call_bytes_budget: a large call body grows 1 MiB at a time
+MIN_CALL_BYTES_BUDGET = 1 << 20
 #: the exit status of a leader that lost the leadership (its supervisor restarts it)
 EXIT_DEPOSED = 3
 #: the election lease's default TTL in s: a dead leader is replaced within about this
@@ -154,6 +158,8 @@ class MasterConfig:
     tls_client_auth: bool = False
     metrics_port: int = 0
     fast_port: int = 0
+    call_bytes_budget: int = CALL_BYTES_BUDGET
+    call_body_timeout_s: float = BODY_TIMEOUT_S
     advertise_address: str = ""
 
     @classmethod
@@ -194,6 +200,8 @@ def _field_types() -> dict[str, str]:
     """Each flat key's annotation ("int", "float", "str", "bool", ...), for YAML type checks."""
     types = {f.name: str(f.type) for f in dataclasses.fields(MasterConfig) if f.name != "store"}
     types.update({f.name: str(f.type) for f in dataclasses.fields(StoreConfig)})
+    for name in SIZE_KEYS:  # an int, or a text like "256MiB" (checked by the flag's type)
+        types[name] = "size"
     return types
 
 
@@ -228,6 +236,17 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not 0.0 < value <= 3600.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds, got {text}")
+    return value
+
+
+def _call_budget(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.args[0]) from None
+    if value < MIN_CALL_BYTES_BUDGET:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 1MiB (a large call body grows 1 MiB at a time), got {text}")
     return value
 
 
@@ -307,6 +326,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "Heartbeat and MountSegment replies. 0 (default): a free port, "
                              "or none when gRPC is served over TLS (the endpoint is "
                              "plaintext); -1: none (every call over gRPC)")
+    parser.add_argument("--call-bytes-budget", dest="call_bytes_budget", type=_call_budget,
+                        default=CALL_BYTES_BUDGET, metavar="SIZE",
+                        help="bytes of large store call bodies (over 64 KiB) the store call "
+                             "endpoint holds at once, over all connections (bytes or a "
+                             "unit: 256MiB, the default; at least 1MiB): a body is read "
+                             "1 MiB at a time as it arrives, each step reserved against "
+                             "it; a step it cannot cover within 1 s refuses the call, "
+                             "unapplied, and the connection goes on. Bounds the master's "
+                             "memory under floods of large or stalled calls")
+    parser.add_argument("--call-body-timeout-s", dest="call_body_timeout_s", type=_seconds,
+                        default=BODY_TIMEOUT_S, metavar="S",
+                        help="seconds a store call body has, from its header, to arrive "
+                             "whole on the store call endpoint; a slower one closes the "
+                             "connection and frees what it held (default %(default)s; "
+                             "(0, 3600])")
     parser.add_argument("--advertise-address", dest="advertise_address", default="",
                         metavar="HOST:PORT",
                         help="the gRPC address clients and agents reach this master at; with "
@@ -665,7 +699,9 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
 
     if fast_port >= 0:
         fast = StoreCallServer(calls, config.host, fast_port,
-                               cluster_token=cluster_token, leadership=leadership)
+                               cluster_token=cluster_token, leadership=leadership,
+                               call_bytes_budget=config.call_bytes_budget,
+                               body_timeout=config.call_body_timeout_s)
         try:
             fast.start()
         except ConfigError as exc:

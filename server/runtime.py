@@ -372,7 +372,9 @@ class AgentServer:
         data_server_cls = _data_server_class()
         self._data = data_server_cls(agent.resolve, agent.epoch, tcp_host=cfg.host,
                                      tcp_port=cfg.data_port, unix_path=unix_data,
-                                     cluster_token=token, unix_mode=cfg.socket_mode)
+                                     cluster_token=token, unix_mode=cfg.socket_mode,
+                                     handshake_timeout=cfg.data_handshake_timeout_s,
+                                     preauth_connections=cfg.data_preauth_connections)
         self._data.start()
         if unix_data:
             self._sockets.append(unix_data)
@@ -404,10 +406,13 @@ class AgentServer:
                                        registry_target[1], published, owner_key)
             self.publisher.start()
         log.info("agent %s serving: data=%s unix=%s fd=%s epoch=%d node=%s registry=%s "
-                 "grpc=%s", self.engine_name, self.endpoints.data_tcp,
+                 "grpc=%s handshake=%gs preauth=%d/listener max_segments=%d",
+                 self.engine_name, self.endpoints.data_tcp,
                  self.endpoints.data_unix or "-", fd_path, agent.epoch, agent.node_id,
                  cfg.master or "embedded",
-                 self._tls.describe() if self._tls is not None else "plaintext")
+                 self._tls.describe() if self._tls is not None else "plaintext",
+                 cfg.data_handshake_timeout_s, cfg.data_preauth_connections,
+                 agent.max_segments)
 
     def _wire_registry(self, server: grpc.aio.Server) -> tuple[Any, str] | None:
         """(registry-like object, description) to publish to, or None without a registry."""

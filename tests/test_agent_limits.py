@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
+import waiting
 import yaml
 from conftest import TEST_STATE_DIR, AgentProcess, agent_command, clean_env, parse_ready, wait_ready
 
@@ -31,6 +34,8 @@ from hixl.server.agent import MAX_NAME_BYTES, MAX_OWNER_BYTES, TABLE_BYTES_LIMIT
 from hixl.types import MAX_ALLOWED_ENGINES, MAX_ENGINE_NAME, Perm, SegmentInfo
 
 StartAgent = Callable[..., AgentProcess]
+DEADLINE_S = 60.0  # only proves "does not hang"; nothing asserts how long anything took
+wait_for = partial(waiting.wait_until, timeout=DEADLINE_S)
 
 
 def _recv_exact(sock: socket.socket, count: int) -> bytes:
@@ -196,3 +201,40 @@ def test_tiny_segments_cannot_exhaust_open_files(low_fd_agent: AgentProcess) -> 
         client.deregister(held[0].segment_id, held[0].epoch)
         client.allocate(4096, name="honest")
     assert "Too many open files" not in agent.log()
+
+
+def closed_by_agent(sock: socket.socket) -> bool:
+    """True once the agent has closed `sock` (EOF or reset), without blocking."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_preauth_keys_reach_the_data_server(agent_process: StartAgent) -> None:
+    """data_preauth_connections and data_handshake_timeout_s (config keys) set the data
+    server's pre-auth budget and deadline: with 2 slots, a third idle connection evicts
+    the oldest; the other two are closed at the deadline; an honest client still gets in."""
+    agent = agent_process(config={"data_preauth_connections": 2,
+                                  "data_handshake_timeout_s": 3,
+                                  "pool": [{"name": "kv", "size": "64KiB"}]})
+    assert "handshake=3s preauth=2/listener" in agent.log()
+    host, port = agent.info.data_tcp.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+    try:
+        wait_for(lambda: closed_by_agent(idle[0]), "the oldest idle connection is evicted")
+        with AgentClient(agent.engine, timeout=10.0) as client:
+            assert client.stats()["data_preauth_evicted"] == 1
+            wait_for(lambda: all(closed_by_agent(s) for s in idle[1:]),
+                     "the others are closed at their handshake deadline")
+            stats = client.stats()
+            assert stats["data_handshake_timeouts"] == 2
+            assert stats["data_preauth_evicted"] == 1
+            [pool] = agent.info.segments
+            payload = os.urandom(4096)
+            assert round_trip(agent.info.data_tcp, pool, payload) == payload
+    finally:
+        for sock in idle:
+            sock.close()

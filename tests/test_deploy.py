@@ -790,7 +790,8 @@ def test_master_schema_is_every_flag() -> None:
     for key, entry in described.items():
         assert entry["doc"] and "%(" not in entry["doc"], key
         assert entry["env"] == "HIXL_MASTER_" + key.upper()
-        assert entry["type"] in ("int", "float", "str", "bool"), (key, entry["type"])
+        # "size": bytes or a unit ("256MiB"), as the agent's sizes
+        assert entry["type"] in ("int", "float", "str", "bool", "size"), (key, entry["type"])
     assert "--no-persist" in described["persist"]["doc"]
 
 

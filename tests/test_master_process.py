@@ -5,8 +5,10 @@ Deadlines here only prove "does not hang"; nothing asserts how long anything too
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,9 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from hixl import wire
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
 from hixl.registry_client import RegistryClient
 from hixl.server.master import MasterConfig, StoreConfig, parse_config
+from hixl.store_rpc import METHODS
 from hixl.types import MemType, Perm, SegmentInfo
 
 START_DEADLINE_S = 30
@@ -271,6 +275,9 @@ def test_mooncake_flags_are_recorded_in_the_config() -> None:
     (["--max-lease-ttl-ms", "0"], "--max-lease-ttl-ms"),
     (["--log-level", "chatty"], "--log-level"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--call-bytes-budget", "1KiB"], "--call-bytes-budget"),
+    (["--call-bytes-budget", "lots"], "--call-bytes-budget"),
+    (["--call-body-timeout-s", "0"], "--call-body-timeout-s"),
 ])
 def test_bad_flags_exit_nonzero_naming_the_flag(flags: list[str], named: str) -> None:
     result = subprocess.run([sys.executable, "-m", "hixl.server.master", *flags],
@@ -286,3 +293,61 @@ def test_taken_port_fails_with_a_message(master: Master) -> None:
                             capture_output=True, text=True, timeout=START_DEADLINE_S)
     assert result.returncode == 1
     assert f"cannot bind 127.0.0.1:{port}" in result.stderr
+
+
+@pytest.mark.parametrize(("var", "value"), [
+    ("HIXL_MASTER_CALL_BYTES_BUDGET", "0"),
+    ("HIXL_MASTER_CALL_BYTES_BUDGET", "64KiB"),
+    ("HIXL_MASTER_CALL_BODY_TIMEOUT_S", "never"),
+])
+def test_bad_call_limits_in_the_environment_exit_2_naming_the_key(var: str,
+                                                                   value: str) -> None:
+    env = {**os.environ, var: value}
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--port", "0",
+                             "--no-persist"], capture_output=True, text=True, env=env,
+                            timeout=START_DEADLINE_S)
+    assert result.returncode == 2, result.stderr
+    assert var in result.stderr and repr(var[len("HIXL_MASTER_"):].lower()) in result.stderr
+    assert READY_PREFIX not in result.stdout
+
+
+def _reply(sock: socket.socket) -> tuple[wire.Header, bytes]:
+    header = wire.decode_header(sock.recv(wire.HEADER_SIZE, socket.MSG_WAITALL))
+    payload = sock.recv(header.length, socket.MSG_WAITALL) if header.length else b""
+    return header, payload
+
+
+def test_call_limits_reach_the_store_call_endpoint() -> None:
+    """--call-bytes-budget and --call-body-timeout-s set the store call endpoint's limits:
+    a body over the budget is refused naming it (the connection goes on), and a body that
+    stalls closes its connection with the configured deadline in the log."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        fast_port = probe.getsockname()[1]
+    process = Master("--port", "0", "--no-persist", "--fast-port", str(fast_port),
+                     "--log-level", "DEBUG", "--call-bytes-budget", "1MiB",
+                     "--call-body-timeout-s", "2")
+    put_start = next(number for number, name in METHODS.items() if name == "PutStart")
+    try:
+        process.wait_ready()
+        with socket.create_connection(("127.0.0.1", fast_port), timeout=30) as sock:
+            sock.sendall(wire.ClientProtocol().hello(b"pytest"))
+            assert _reply(sock)[0].status == 0
+            sock.sendall(wire.Header(wire.Op.CALL, 1, segment_id=put_start,
+                                     length=2 << 20).pack() + bytes(2 << 20))
+            header, text = _reply(sock)
+            assert header.reason == wire.Reason.INTERNAL, text
+            assert b"not applied" in text and b"limit of 1048576 bytes" in text, text
+            sock.sendall(wire.Header(wire.Op.PING, 2).pack())
+            assert _reply(sock)[0].request_id == 2  # the connection goes on
+            # a body that never comes: the connection is closed at the deadline
+            sock.sendall(wire.Header(wire.Op.CALL, 3, segment_id=put_start,
+                                     length=512 << 10).pack())
+            assert sock.recv(1) == b""
+        process.stop()
+        for thread in process._threads:  # the whole log read
+            thread.join(START_DEADLINE_S)
+        log = "".join(filter(None, process.stderr))
+        assert "a call body did not arrive within 2 s" in log, log
+    finally:
+        process.kill()
