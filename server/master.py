@@ -714,7 +714,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     if config.metrics_port:
         try:
             metrics = MetricsServer(metrics_registry(registry, lambda: calls.store,
-                                                     servicer.results),
+                                                     servicer.results, fast),
                                     config.host, config.metrics_port, "--metrics-port")
         except ConfigError as exc:
             print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
@@ -755,14 +755,20 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
 
 
 def metrics_registry(registry: Registry, store: Callable[[], ObjectStore],
-                     results: dict[tuple[str, int], int] | None = None) -> CollectorRegistry:
-    """The master's own CollectorRegistry: the registry's table and the store (`store()`:
-    the one served now; a standby swaps it when it takes over)."""
-    from hixl.server.metrics import registry_families, store_families
+                     results: dict[tuple[str, int], int] | None = None,
+                     calls_server: StoreCallServer | None = None) -> CollectorRegistry:
+    """The master's own CollectorRegistry: the registry's table, the store (`store()`:
+    the one served now; a standby swaps it when it takes over) and its call endpoint."""
+    from hixl.server.metrics import registry_families, store_call_families, store_families
+
+    def families() -> list[Any]:
+        found = [*registry_families(registry), *store_families(store(), results)]
+        if calls_server is not None:
+            found += store_call_families(calls_server)
+        return found
 
     metrics = CollectorRegistry()
-    metrics.register(FunctionCollector(
-        lambda: [*registry_families(registry), *store_families(store(), results)], "master"))
+    metrics.register(FunctionCollector(families, "master"))
     return metrics
 
 

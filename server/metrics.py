@@ -18,6 +18,7 @@ from hixl.store_codes import ErrorCode
 if TYPE_CHECKING:
     from hixl.server.registry import Registry
     from hixl.server.store import ObjectStore
+    from hixl.server.store_rpc_server import StoreCallServer
 
 _CODES = {int(code): code.name for code in ErrorCode}
 
@@ -51,12 +52,8 @@ def agent_families(server: Any) -> list[Metric]:
                                 [((t,), n) for t, n in accepted.items()]))
         families.append(counter(
             "hixl_agent_data_connection_errors",
-            "Data connections ended by the agent: rejected (over the connection limit), "
-            "protocol (a bad frame, a stall mid-frame or an internal error; includes auth), "
-            "auth (a wrong or missing cluster token).", ("kind",),
-            [(("rejected",), totals["connections_rejected"]),
-             (("protocol",), totals["protocol_errors"]),
-             (("auth",), totals["auth_failures"])]))
+            "Data connections ended by the agent: " + _CONNECTION_ERRORS, ("kind",),
+            _connection_errors(totals)))
     if fd is not None:
         families.append(gauge("hixl_agent_fd_clients",
                               "Processes connected to the fd socket (same-node peers).", (),
@@ -95,6 +92,54 @@ def agent_families(server: Any) -> list[Metric]:
     if server.registry is not None:  # no master configured: the embedded registry
         families += registry_families(server.registry)
     return families
+
+
+_CONNECTION_ERRORS = (
+    "rejected (over the connection limit, or no thread could start: includes "
+    "thread_start_failure), protocol (a bad frame, a stall mid-frame or an internal error; "
+    "includes auth), auth (a wrong or missing cluster token), preauth_evicted (closed in "
+    "its handshake to make room for a newer one: the listener's pre-auth slots were all "
+    "taken), handshake_timeout (did not authenticate in time), thread_start_failure (the "
+    "process could not start its thread).")
+
+
+def _connection_errors(totals: dict[str, int]) -> list[tuple[tuple[str], int]]:
+    """The `kind` rows of a connection errors family, from a ThreadPerConnection's counters
+    (hixl.server.connections): the data server's and the store call endpoint's alike."""
+    return [(("rejected",), totals["connections_rejected"]),
+            (("protocol",), totals["protocol_errors"]),
+            (("auth",), totals["auth_failures"]),
+            (("preauth_evicted",), totals["preauth_evicted"]),
+            (("handshake_timeout",), totals["handshake_timeouts"]),
+            (("thread_start_failure",), totals["thread_start_failures"])]
+
+
+def store_call_families(server: StoreCallServer) -> list[Metric]:
+    """The master's store call endpoint (`--fast-port`): connections and how they ended,
+    calls served or refused over the call bytes budget, and the body bytes held now."""
+    with server._lock:
+        totals = dict(server.counters)
+    in_flight = server.bytes_in_flight
+    return [
+        counter("hixl_store_call_connections_accepted",
+                "Connections accepted by the store call endpoint.", (),
+                [((), totals["connections"])]),
+        counter("hixl_store_call_connection_errors",
+                "Store call connections ended by the master: " + _CONNECTION_ERRORS[:-1]
+                + ", body_timeout (a call body did not arrive within --call-body-timeout-s; "
+                "a stall, so counted in protocol too).",
+                ("kind",),
+                [*_connection_errors(totals), (("body_timeout",), totals["body_timeouts"])]),
+        counter("hixl_store_call_calls",
+                "Store calls on the call endpoint: served (answered by the store, errors "
+                "included), over_budget (refused unapplied: --call-bytes-budget stayed "
+                "exhausted).", ("outcome",),
+                [(("served",), totals["calls"]), (("over_budget",), totals["calls_over_budget"])]),
+        gauge("hixl_store_call_body_bytes", "Bytes of large call bodies held now, against "
+              "--call-bytes-budget.", (), [((), in_flight)]),
+        gauge("hixl_store_call_body_bytes_budget", "--call-bytes-budget: the most bytes of "
+              "large call bodies held at once.", (), [((), server._budget)]),
+    ]
 
 
 def _publishing_families(server: Any) -> list[Metric]:
@@ -199,4 +244,4 @@ def store_families(store: ObjectStore, results: dict[tuple[str, int], int] | Non
     return families
 
 
-__all__ = ["agent_families", "registry_families", "store_families"]
+__all__ = ["agent_families", "registry_families", "store_call_families", "store_families"]

@@ -8,6 +8,7 @@ replies on the agent, whose number of batches depends on how the bytes arrive).
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from conftest import AgentProcess, agent_command, clean_env
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hixl import wire
 from hixl.client.engine import Engine
 from hixl.client.registry_bench import MasterProcess
 from hixl.errors import (
@@ -40,6 +42,7 @@ from hixl.memory import buffer_range
 from hixl.server.config import AgentConfig
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.store_rpc import METHODS
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport
 from hixl.types import TransferOp, TransferOpDesc
@@ -225,6 +228,37 @@ def test_agent_counts_auth_failures(metrics_agent, tmp_path: Path) -> None:
     assert value(samples, "hixl_agent_data_ops_total", transport="tcp", direction="write") == 0
 
 
+def closed_by_peer(sock: socket.socket) -> bool:
+    """True once the other side closed `sock` (EOF or reset), without blocking."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_agent_counts_preauth_evictions_and_handshake_timeouts(metrics_agent) -> None:
+    """Connections that never send HELLO: with one pre-auth slot, the second evicts the
+    first; the second is closed at the handshake deadline. Both reach /metrics."""
+    agent, url = metrics_agent(data_preauth_connections=1, data_handshake_timeout_s=2)
+    errors = "hixl_agent_data_connection_errors_total"
+    host, port = agent.info.data_tcp.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=DEADLINE_S) for _ in range(2)]
+    try:
+        eventually(lambda: all(closed_by_peer(sock) for sock in idle),
+                   "both idle connections closed by the agent")
+    finally:
+        for sock in idle:
+            sock.close()
+    samples = scrape(url)
+    assert value(samples, errors, kind="preauth_evicted") == 1
+    assert value(samples, errors, kind="handshake_timeout") == 1
+    assert value(samples, errors, kind="thread_start_failure") == 0
+    assert value(samples, errors, kind="rejected") == 0
+    assert value(samples, "hixl_agent_data_connections_accepted_total", transport="tcp") == 2
+
+
 def test_fabric_traffic_is_counted_by_the_engine(metrics_agent) -> None:
     agent, url = metrics_agent()
     segment = agent.info.segments[0]
@@ -355,6 +389,54 @@ def test_master_counts_objects_space_results_and_evictions(metrics_master) -> No
 
 
 # ---------------------------------------------------------------- bad settings
+
+
+def _call_reply(sock: socket.socket) -> tuple[wire.Header, bytes]:
+    header = wire.decode_header(sock.recv(wire.HEADER_SIZE, socket.MSG_WAITALL))
+    payload = sock.recv(header.length, socket.MSG_WAITALL) if header.length else b""
+    return header, payload
+
+
+def test_master_counts_its_store_call_endpoint() -> None:
+    """A call over --call-bytes-budget, a body that stalls past --call-body-timeout-s and
+    an idle connection that never authenticates, on a real master's store call endpoint:
+    each reaches its /metrics."""
+    port, fast_port = free_port(), free_port()
+    put_start = next(number for number, name in METHODS.items() if name == "PutStart")
+    with MasterProcess(extra=["--metrics-port", str(port), "--fast-port", str(fast_port),
+                              "--call-bytes-budget", "1MiB",
+                              "--call-body-timeout-s", "2"]):
+        url = f"http://127.0.0.1:{port}/metrics"
+        samples = scrape(url)
+        assert value(samples, "hixl_store_call_body_bytes_budget") == MiB
+        assert value(samples, "hixl_store_call_connections_accepted_total") == 0
+        with socket.create_connection(("127.0.0.1", fast_port), timeout=DEADLINE_S) as sock:
+            sock.sendall(wire.ClientProtocol().hello(b"pytest"))
+            assert _call_reply(sock)[0].status == 0
+            sock.sendall(wire.Header(wire.Op.CALL, 1, segment_id=put_start,
+                                     length=2 * MiB).pack() + bytes(2 * MiB))
+            header, text = _call_reply(sock)
+            assert header.reason == wire.Reason.INTERNAL and b"not applied" in text, text
+            sock.sendall(wire.Header(wire.Op.CALL, 2, segment_id=put_start,
+                                     length=MiB // 2).pack() + bytes(KiB))
+            eventually(lambda: value(scrape(url), "hixl_store_call_body_bytes") == MiB // 2,
+                       "the stalled body holds its first step")
+            eventually(lambda: closed_by_peer(sock), "the stalled body's connection closed")
+        samples = scrape(url)
+        errors = "hixl_store_call_connection_errors_total"
+        assert value(samples, "hixl_store_call_calls_total", outcome="over_budget") == 1
+        assert value(samples, "hixl_store_call_calls_total", outcome="served") == 0
+        assert value(samples, errors, kind="body_timeout") == 1
+        assert value(samples, errors, kind="protocol") == 1  # a stall: the body timeout
+        assert value(samples, "hixl_store_call_body_bytes") == 0  # given back
+        assert value(samples, "hixl_store_call_connections_accepted_total") == 1
+        with socket.create_connection(("127.0.0.1", fast_port), timeout=DEADLINE_S) as idle:
+            eventually(lambda: closed_by_peer(idle), "the idle connection closed at its "
+                       "handshake deadline")
+        samples = scrape(url)
+        assert value(samples, errors, kind="handshake_timeout") == 1
+        assert value(samples, errors, kind="preauth_evicted") == 0
+        assert value(samples, errors, kind="thread_start_failure") == 0
 
 
 def test_metrics_port_out_of_range_is_a_config_error_naming_the_key() -> None:
