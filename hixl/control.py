@@ -5,8 +5,9 @@ metadata entries ("hixl-status", "hixl-error"), so the client can raise the very
 exception class with the same HIXL status, instead of a generic RPC failure.
 
 Cluster-token authentication of gRPC (hixl.auth) lives here too: `TokenInterceptor`
-makes a server refuse, with UNAUTHENTICATED, every call that does not prove the token;
-`authenticated_channel` makes a client channel prove it on every call.
+makes a server refuse, with UNAUTHENTICATED, every call that does not prove the token for
+this server and this request; `open_channel` (`authenticated_channel`) makes a client
+channel prove it on every call.
 
 So do request ids (hixl.logs): every client call sends `x-request-id` (the current
 request's id, or a fresh one), `RequestIdInterceptor` makes it current for the server's
@@ -26,6 +27,8 @@ import itertools
 import logging
 import operator
 import socket
+import threading
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -313,13 +316,19 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> HixlError:
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Server side: every call must carry a valid `hixl-auth` proof, else UNAUTHENTICATED.
 
-    The refusal happens before the method's handler runs (nothing is deserialized or
-    executed) and says why (missing, wrong token, clock skew, replay) but never which
-    bytes of a proof differ. Health and watch streams are no exception.
+    A proof is valid for one call (nonce), of its method, to this server (`names`: the
+    addresses it listens on, which `add_port` tells it, and an allow-list), with the very
+    request it was made for (the SHA-256 of the request's bytes, checked before they are
+    deserialized). The refusal happens before the method's handler runs (nothing is
+    executed; nothing is deserialized unless the header was valid) and says why
+    (missing, wrong token, clock skew, replay, another server, another request) but never
+    which bytes of a proof differ. Health and watch streams are no exception.
     """
 
-    def __init__(self, token: bytes, verifier: auth.GrpcVerifier | None = None) -> None:
+    def __init__(self, token: bytes, verifier: auth.GrpcVerifier | None = None,
+                 names: auth.ServerNames | None = None) -> None:
         self.verifier = verifier or auth.GrpcVerifier(token)
+        self.names = names if names is not None else auth.ServerNames()
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails],
@@ -331,11 +340,74 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             if key == auth.METADATA_KEY:
                 presented = value
                 break
-        why = self.verifier.verify(method, presented)
+        why, claim = self.verifier.check(method, presented)
+        if claim is not None:
+            ours = self.names.match_literal(claim.server)  # no coroutine for the usual case
+            if ours is None:
+                ours = await self.names.accepts(claim.server)
+            why = self.verifier.remember(claim) if ours else self.names.mismatch(claim.server)
         handler = await continuation(handler_call_details)
-        if why is None:
-            return handler
-        return _refusal(handler, method, why)
+        if why is not None:
+            return _refusal(handler, method, why)
+        if handler is None:
+            return None
+        assert claim is not None
+        return _bound_to_request(handler, claim.digest)
+
+
+class _Mismatch:
+    """What a request whose bytes do not match its proof deserializes to: never a message."""
+
+
+_MISMATCH = _Mismatch()
+
+
+def _bound_to_request(handler: grpc.RpcMethodHandler,
+                      digest: bytes) -> grpc.RpcMethodHandler:
+    """`handler`, serving only a request whose serialized bytes have SHA-256 `digest`.
+
+    hixl's methods take one request (unary, or unary-stream: the reply streams, the
+    request does not); a client-streaming method, whose later messages no proof covers,
+    is refused outright.
+    """
+    if handler.unary_unary is None and handler.unary_stream is None:
+        return _refusal(handler, "", "client-streaming calls cannot be authenticated "
+                                     "(the hixl-auth proof binds one request)")
+    deserialize = handler.request_deserializer
+
+    def checked(raw: bytes) -> Any:
+        if auth.request_digest(raw) != digest:  # both public: no timing to hide
+            return _MISMATCH
+        return deserialize(raw) if deserialize is not None else raw
+
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def serve_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if request is _MISMATCH:
+                await abort_with(context, AuthenticationFailed(auth.BODY_MISMATCH))
+            result = unary(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+        return handler._replace(  # type: ignore[attr-defined]
+            request_deserializer=checked, unary_unary=serve_unary)
+    stream = handler.unary_stream
+
+    async def serve_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request is _MISMATCH:
+            await abort_with(context, AuthenticationFailed(auth.BODY_MISMATCH))
+        items = stream(request, context)
+        if inspect.isawaitable(items):  # a handler that writes with context.write
+            await items
+        elif hasattr(items, "__aiter__"):
+            async for item in items:
+                yield item
+        else:
+            for item in items:
+                yield item
+
+    return handler._replace(  # type: ignore[attr-defined]
+        request_deserializer=checked, unary_stream=serve_stream)
 
 
 def _refusal(handler: grpc.RpcMethodHandler | None, method: str,
@@ -444,22 +516,50 @@ async def _abort_unexpected(context: grpc.aio.ServicerContext, exc: Exception) -
                         trailing_metadata=tuple(metadata))
 
 
-def server_interceptors(token: bytes | None) -> list[grpc.aio.ServerInterceptor]:
+def server_interceptors(token: bytes | None, names: Iterable[str] = (),
+                        ) -> list[grpc.aio.ServerInterceptor]:
     """What every hixl gRPC server installs: request ids first (so a refusal is logged
-    under one too), then, with a cluster token, its check."""
+    under one too), then, with a cluster token, its check.
+
+    The check must know the addresses its server listens on (a proof binds the server
+    the client dialled): bind them with `add_port`, which tells the check of the server
+    it binds (the one made last by this thread, until it binds an address). `names`:
+    more "host:port" names the server is reached by (auth.ServerNames).
+    """
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestIdInterceptor()]
+    check = None
     if token is not None:
-        interceptors.append(TokenInterceptor(token))
+        check = TokenInterceptor(token, names=auth.ServerNames(names))
+        interceptors.append(check)
+    _unbound.check = check
     return interceptors
+
+
+#: the TokenInterceptor of the server this thread is setting up, until add_port binds it
+_unbound = threading.local()
+#: each server's TokenInterceptor, once add_port has bound an address of it
+_checks: weakref.WeakKeyDictionary[Any, TokenInterceptor] = weakref.WeakKeyDictionary()
 
 
 def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
     """Bind `address` ("host:port", only that host) on `server`, with TLS when `tls` is
     given; returns the port bound (0 when gRPC could not bind it). What every hixl gRPC
-    server binds with; the token check is the interceptors' (server_interceptors)."""
+    server binds with; the token check is the interceptors' (server_interceptors), told
+    here which address it serves."""
     if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.credentials)
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, tls.credentials)
+    if port:
+        check = _checks.get(server)
+        if check is None:
+            check = getattr(_unbound, "check", None)
+            _unbound.check = None
+            if check is not None:
+                _checks[server] = check
+        if check is not None:
+            check.names.listen(address, port)
+    return port
 
 
 class _CallDetails(
@@ -477,9 +577,10 @@ class _ClientInterceptor(grpc.UnaryUnaryClientInterceptor,
     `error_from_rpc` can tell why a connection failed."""
 
     def __init__(self, token: bytes | None, tls: ClientTLS | Literal[False] | None = None,
-                 ) -> None:
+                 server: str = "") -> None:
         self._token = token
         self._tls = tls
+        self._server = server  # what the proofs bind: the target dialled (grpc_authority)
 
     def _tagged(self, call: Any) -> Any:
         with contextlib.suppress(Exception):  # a call object that takes no tag: no hint
@@ -490,31 +591,41 @@ class _ClientInterceptor(grpc.UnaryUnaryClientInterceptor,
                     setattr(error, _TLS_TAG, self._tls)
         return call
 
-    def _with_metadata(self, details: grpc.ClientCallDetails) -> _CallDetails:
+    def _with_metadata(self, details: grpc.ClientCallDetails, request: Any) -> _CallDetails:
         request_id = logs.current_request_id() or logs.new_request_id()
         metadata = [*(details.metadata or ()), (logs.REQUEST_ID_KEY, request_id)]
         if self._token is not None:
-            metadata.append((auth.METADATA_KEY,
-                             auth.make_grpc_proof(self._token, _text(details.method))))
+            # the bytes the channel will send: the stubs serialize with SerializeToString
+            body = request if isinstance(request, bytes) else request.SerializeToString()
+            metadata.append((auth.METADATA_KEY, auth.make_grpc_proof(
+                self._token, _text(details.method), self._server,
+                auth.request_digest(body))))
         return _CallDetails(details.method, details.timeout, metadata, details.credentials,
                             details.wait_for_ready, details.compression)
 
     def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
                               request: Any) -> Any:
-        return self._tagged(continuation(self._with_metadata(client_call_details), request))
+        return self._tagged(continuation(self._with_metadata(client_call_details, request),
+                                         request))
 
     def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
                                request: Any) -> Any:
-        return self._tagged(continuation(self._with_metadata(client_call_details), request))
+        return self._tagged(continuation(self._with_metadata(client_call_details, request),
+                                         request))
 
 
-def authenticated_channel(channel: grpc.Channel, token: bytes | None) -> grpc.Channel:
-    """`channel`, sending a request id on every call and, with a `token`, proving it.
+def authenticated_channel(channel: grpc.Channel, token: bytes | None,
+                          target: str = "") -> grpc.Channel:
+    """`channel`, sending a request id on every call and, with a `token`, proving it for
+    the server at `target` (what the channel dials: each proof is bound to it).
 
-    Every channel the SDK makes goes through here. Close the original channel, not this
-    wrapper's result, to release it.
+    Close the original channel, not this wrapper's result, to release it.
     """
-    return grpc.intercept_channel(channel, _ClientInterceptor(token))
+    if token is not None and not target:
+        raise ParamInvalid("authenticated_channel: with a cluster token, give the target the "
+                           "channel dials (each proof is bound to that server)")
+    return grpc.intercept_channel(channel, _ClientInterceptor(token, None,
+                                                              auth.grpc_authority(target)))
 
 
 def open_channel(target: str, *, token: bytes | None = None, tls: TlsSetting = None,
@@ -532,7 +643,8 @@ def open_channel(target: str, *, token: bytes | None = None, tls: TlsSetting = N
     else:
         channel = grpc.secure_channel(target, settings.credentials,
                                       options=[*options, *settings.channel_options()])
-    interceptor = _ClientInterceptor(token, settings if settings is not None else False)
+    interceptor = _ClientInterceptor(token, settings if settings is not None else False,
+                                     auth.grpc_authority(target))
     return channel, grpc.intercept_channel(channel, interceptor)
 
 

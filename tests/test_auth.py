@@ -128,25 +128,95 @@ class Clock:
         return self.now
 
 
+SERVER = "10.1.2.3:50051"
+
+
+def names_of(*addresses: str) -> auth.ServerNames:
+    names = auth.ServerNames(env={})
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        names.listen(address, int(port))
+    return names
+
+
 def test_grpc_proof_is_bound_to_token_method_time_and_used_once() -> None:
     clock = Clock()
     verifier = auth.GrpcVerifier(TOKEN, clock=clock)
     method = "/hixl.v1.Agent/Health"
     now_ms = int(clock.now * 1000)
-    proof = auth.make_grpc_proof(TOKEN, method, unix_ms=now_ms)
+    proof = auth.make_grpc_proof(TOKEN, method, SERVER, unix_ms=now_ms)
     assert verifier.verify(method, proof) is None
     assert "replayed" in (verifier.verify(method, proof) or "")
-    fresh = auth.make_grpc_proof(TOKEN, method, unix_ms=now_ms)
+    fresh = auth.make_grpc_proof(TOKEN, method, SERVER, unix_ms=now_ms)
     assert "wrong cluster token" in (verifier.verify("/hixl.v1.Agent/Stats", fresh) or "")
-    wrong = auth.make_grpc_proof(b"other", method, unix_ms=now_ms)
+    wrong = auth.make_grpc_proof(b"other", method, SERVER, unix_ms=now_ms)
     assert "wrong cluster token" in (verifier.verify(method, wrong) or "")
     assert "missing" in (verifier.verify(method, None) or "")
     assert "malformed" in (verifier.verify(method, "1.2") or "")
     assert "malformed" in (verifier.verify(method, "x.00.00") or "")
-    skewed = auth.make_grpc_proof(TOKEN, method, unix_ms=now_ms - 121_000)
+    assert "older hixl" in (verifier.verify(method, f"{now_ms}.{'00' * 16}.{'00' * 32}")
+                            or "")  # the v1 proof (method, time, nonce only)
+    skewed = auth.make_grpc_proof(TOKEN, method, SERVER, unix_ms=now_ms - 121_000)
     assert "sync the clocks" in (verifier.verify(method, skewed) or "")
-    ahead = auth.make_grpc_proof(TOKEN, method, unix_ms=now_ms + 119_000)
+    ahead = auth.make_grpc_proof(TOKEN, method, SERVER, unix_ms=now_ms + 119_000)
     assert verifier.verify(method, ahead) is None  # inside the +-120 s window
+
+
+def test_grpc_proof_is_bound_to_the_server_and_the_request() -> None:
+    clock = Clock()
+    verifier = auth.GrpcVerifier(TOKEN, clock=clock)
+    method = "/hixl.v1.Agent/DeregisterSegment"
+    body = agent_pb2.HealthRequest().SerializeToString() + b"\x08\x01"
+    proof = auth.make_grpc_proof(TOKEN, method, SERVER, auth.request_digest(body),
+                                 unix_ms=int(clock.now * 1000))
+    # the server and digest travel in the clear but under the MAC: changing either breaks it
+    forged = proof.replace(SERVER, "10.1.2.4:50051")
+    assert "wrong cluster token" in (verifier.verify(method, forged) or "")
+    other = names_of("10.1.2.4:50051")
+    assert "bound to server 10.1.2.3:50051, and this server is 10.1.2.4:50051" in (
+        verifier.verify(method, proof, names=other) or "")
+    assert "does not match" in (verifier.verify(method, proof, body=b"other") or "")
+    assert verifier.verify(method, proof, body=body, names=names_of(SERVER)) is None
+
+
+@pytest.mark.parametrize("target, server", [
+    ("127.0.0.1:5000", "127.0.0.1:5000"), ("Node-1.Example.:5000", "node-1.example:5000"),
+    ("dns:///node1:5000", "node1:5000"), ("ipv4:10.0.0.1:5000,10.0.0.2:5000", "10.0.0.1:5000"),
+    ("[0:0::1]:5000", "[::1]:5000"), ("ipv6:[::1]:5000", "[::1]:5000"),
+    ("[::ffff:127.0.0.1]:5000", "127.0.0.1:5000"), ("node1", "node1:443"),
+    ("unix:/run/a.sock", "unix:/run/a.sock")])
+def test_grpc_authority_normalizes_the_target(target: str, server: str) -> None:
+    assert auth.grpc_authority(target) == server
+
+
+def test_server_names_ips_wildcards_and_the_allow_list(monkeypatch: pytest.MonkeyPatch,
+                                                       ) -> None:
+    names = names_of("127.0.0.1:5000", "[::1]:5001")
+    assert names.match_literal("127.0.0.1:5000") and names.match_literal("[::1]:5001")
+    assert names.match_literal("127.0.0.1:5001") is False  # another port: another server
+    assert names.match_literal("127.0.0.2:5000") is False
+    assert names.match_literal("localhost:5000") is None  # resolved by accepts()
+    assert names.match_literal("localhost:5002") is False  # no port of ours: no lookup
+    anywhere = names_of("0.0.0.0:6000")
+    assert anywhere.match_literal("127.0.0.1:6000") and anywhere.match_literal("127.9.9.9:6000")
+    assert anywhere.match_literal("192.0.2.1:6000") is False  # TEST-NET: not this host
+    assert anywhere.match_literal("127.0.0.1:6001") is False
+    assert "any address of this host, port 6000" in anywhere.describe()
+    monkeypatch.setenv(auth.ENV_SERVER_NAMES, "lb.example:443, 192.0.2.7:7000")
+    allowed = auth.ServerNames()
+    assert allowed.match_literal("lb.example:443") and allowed.match_literal("192.0.2.7:7000")
+    monkeypatch.setenv(auth.ENV_SERVER_NAMES, "no-port")
+    with pytest.raises(ConfigError, match=auth.ENV_SERVER_NAMES):
+        auth.ServerNames()
+
+
+def test_server_names_resolve_host_names() -> None:
+    import asyncio
+    names = names_of("127.0.0.1:5000")
+    assert asyncio.run(names.accepts("localhost:5000"))
+    assert not asyncio.run(names.accepts("localhost:5001"))
+    assert not asyncio.run(names.accepts("no-such-host.invalid:5000"))
+    assert "not know the addresses" in auth.ServerNames(env={}).mismatch("a:1")
 
 
 def test_grpc_replay_memory_is_bounded_and_never_lapses() -> None:
@@ -154,15 +224,16 @@ def test_grpc_replay_memory_is_bounded_and_never_lapses() -> None:
     verifier = auth.GrpcVerifier(TOKEN, clock=clock, max_tracked=4)
     method = "/m"
     now_ms = int(clock.now * 1000)
-    proofs = [auth.make_grpc_proof(TOKEN, method, unix_ms=now_ms - 10 + i) for i in range(6)]
+    proofs = [auth.make_grpc_proof(TOKEN, method, SERVER, unix_ms=now_ms - 10 + i)
+              for i in range(6)]
     for proof in proofs:
         assert verifier.verify(method, proof) is None
     assert verifier.tracked <= 4
     for proof in proofs:  # forgotten ones are refused as too old, remembered ones as replays
         assert verifier.verify(method, proof) is not None
     clock.now += 300  # the window passed: everything is forgotten
-    assert verifier.verify(method, auth.make_grpc_proof(TOKEN, method,
-                                                       unix_ms=int(clock.now * 1000))) is None
+    assert verifier.verify(method, auth.make_grpc_proof(
+        TOKEN, method, SERVER, unix_ms=int(clock.now * 1000))) is None
     assert verifier.tracked == 1
 
 
@@ -238,7 +309,8 @@ def test_every_grpc_call_needs_the_token(secured_agent: AgentProcess) -> None:
 
 
 def test_a_replayed_grpc_proof_is_refused(secured_agent: AgentProcess) -> None:
-    proof = auth.make_grpc_proof(TOKEN, "/hixl.v1.Agent/Health")
+    proof = auth.make_grpc_proof(TOKEN, "/hixl.v1.Agent/Health",
+                                 auth.grpc_authority(secured_agent.engine))
     with grpc.insecure_channel(secured_agent.engine) as channel:
         stub = agent_pb2_grpc.AgentStub(channel)
         metadata = ((auth.METADATA_KEY, proof),)
