@@ -27,8 +27,6 @@ import itertools
 import logging
 import operator
 import socket
-import threading
-import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal
 
@@ -522,43 +520,30 @@ def server_interceptors(token: bytes | None, names: Iterable[str] = (),
     under one too), then, with a cluster token, its check.
 
     The check must know the addresses its server listens on (a proof binds the server
-    the client dialled): bind them with `add_port`, which tells the check of the server
-    it binds (the one made last by this thread, until it binds an address). `names`:
-    more "host:port" names the server is reached by (auth.ServerNames).
+    the client dialled): bind them with `add_port(server, address, tls, interceptors)`,
+    which tells it each one. `names`: more "host:port" names the server is reached by
+    (auth.ServerNames).
     """
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestIdInterceptor()]
-    check = None
     if token is not None:
-        check = TokenInterceptor(token, names=auth.ServerNames(names))
-        interceptors.append(check)
-    _unbound.check = check
+        interceptors.append(TokenInterceptor(token, names=auth.ServerNames(names)))
     return interceptors
 
 
-#: the TokenInterceptor of the server this thread is setting up, until add_port binds it
-_unbound = threading.local()
-#: each server's TokenInterceptor, once add_port has bound an address of it
-_checks: weakref.WeakKeyDictionary[Any, TokenInterceptor] = weakref.WeakKeyDictionary()
-
-
-def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
+def add_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None,
+             interceptors: Iterable[Any] = ()) -> int:
     """Bind `address` ("host:port", only that host) on `server`, with TLS when `tls` is
     given; returns the port bound (0 when gRPC could not bind it). What every hixl gRPC
-    server binds with; the token check is the interceptors' (server_interceptors), told
-    here which address it serves."""
+    server binds with; `interceptors` are the server's (server_interceptors): its token
+    check is told the address it now serves, the one proofs must be bound to."""
     if tls is None:
         port = server.add_insecure_port(address)
     else:
         port = server.add_secure_port(address, tls.credentials)
     if port:
-        check = _checks.get(server)
-        if check is None:
-            check = getattr(_unbound, "check", None)
-            _unbound.check = None
-            if check is not None:
-                _checks[server] = check
-        if check is not None:
-            check.names.listen(address, port)
+        for check in interceptors:
+            if isinstance(check, TokenInterceptor):
+                check.names.listen(address, port)
     return port
 
 

@@ -646,7 +646,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     add_registry_service(server, registry, expire_every_s=None)
     address = _bind_address(config.host, config.port)
     try:
-        port = add_port(server, address, tls)
+        port = add_port(server, address, tls, interceptors)
     except RuntimeError as exc:
         print(f"hixl-master: cannot bind {address}: {exc}", file=sys.stderr, flush=True)
         return 1

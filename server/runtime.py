@@ -344,11 +344,12 @@ class AgentServer:
         # socket): for agents embedded in engines as for hixl-agent
         prepare_runtime_dir(cfg.runtime_dir, cfg.allowed_uids)
         token = self._cluster_token
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=server_interceptors(token))
+        interceptors = server_interceptors(token)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self._grpc = server
         address = f"{cfg.host}:{cfg.grpc_port}"
         try:
-            port = add_port(server, address, self._tls)
+            port = add_port(server, address, self._tls, interceptors)
         except RuntimeError as exc:
             raise HixlError(f"cannot serve gRPC on {address}: {exc} (port in use?)") from None
         if not port:
