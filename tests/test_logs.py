@@ -89,13 +89,13 @@ def test_failed_request_is_logged_once_with_its_id_code_and_hint(agent_process,
 
 def test_request_id_is_forwarded_from_agent_to_master(agent_process, master) -> None:
     node = agent_process(config={"master": master.target, "log_json": True})
-    with logs.request_context() as rid, AgentClient(node.engine, timeout=DEADLINE_S) as client:
-        segment = client.allocate(4096)  # the agent republishes to the master for us
-    # the agent's Publish to the master carries the client's request id
-    published = wait_for_lines(master.log, lambda e: e.get("request_id") == rid)
-    assert any("/hixl.v1.Registry/Publish" in str(e["msg"]) for e in published), published
     with AgentClient(node.engine, timeout=DEADLINE_S) as client:
-        client.deregister(segment.segment_id, segment.epoch)
+        with logs.request_context() as rid:
+            segment = client.allocate(4096)  # the agent republishes to the master for us
+        # the agent's Publish to the master carries the client's request id
+        published = wait_for_lines(master.log, lambda e: e.get("request_id") == rid)
+        assert any("/hixl.v1.Registry/Publish" in str(e["msg"]) for e in published), published
+        client.deregister(segment.segment_id, segment.epoch)  # its creator: holds the key
 
 
 def test_master_logs_its_failures_with_the_request_id(master) -> None:
