@@ -81,7 +81,8 @@ def test_bench_json_has_every_cell_with_positive_numbers(tmp_path) -> None:
         assert run["calls"] == 3 and run["verified"] is True  # 4 transfers, first excluded
         assert run["gbps"] > 0 and run["first_us"] > 0
         assert run["route"] == ("fabric" if run["path"] == "fabric" else "unix")
-        assert run["blocks"] == (bench.HIXL_STYLE_BLOCKS if run["layout"] == "ranges" else 1)
+        # ranges: 4 registered blocks; whole: as many blocks as the 192K segment holds
+        assert run["blocks"] == (bench.HIXL_STYLE_BLOCKS if run["layout"] == "ranges" else 3)
     # blocks < 1 MiB and no x256 batch: the single-4K-op latency target applies, and every
     # fabric cell of the ranges layout is compared with its whole-segment twin
     assert {t["target"] for t in report["targets"]} == {
