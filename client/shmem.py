@@ -12,7 +12,7 @@ Heap layout (offsets from the heap's base, the same on every PE):
 
     [0, control)               control words, written only by this module, one per
                                PE each: barrier epoch, allocation digest (two
-                               parities), departed flag, pad (lead writes); then this
+                               parities), departure word, pad (lead writes); then this
                                PE's scratch words (8-byte values staged for transfers)
     [control, control + heap_size)   symmetric objects, bump-allocated
 
@@ -64,12 +64,23 @@ epochs only grow, and a PE can be at most one barrier ahead of a waiter. Digests
 alternate between two slots by epoch parity, so a PE already in the next barrier
 cannot overwrite the digest a slower PE is about to compare.
 
+**The last barrier.** A PE gets through barrier N once every epoch in *its own* slots
+is at least N, and may then finalize while a slower PE, still in barrier N, has yet to
+see some epoch (the writes go out concurrently) or read this PE's epoch just before it
+landed. So the departure word carries 1 + the last barrier its PE got through, and a
+departed PE counts as in every barrier up to that one: "finalized before barrier N"
+only when that is below N and the PE's epoch, read *after* the departure word, is too
+(it wrote its epoch before its departure, so nothing of it is still on its way). And a
+write that fails to a PE which has since finalized is no error (it will never read it;
+often it did, and its heap went away right after): the wait judges whether it got there.
+
 **Failure.** Every wait has a deadline (init's `timeout`, 30 s by default) and raises a
 typed error naming the problem; `.failed` lists the PE numbers concerned. A waiter
 checks the registry's global table while it sleeps: a PE whose engine left the table
 (killed: its lease expired, `lease_ttl_ms`) raises `PeerUnavailable` naming it. A PE
-that left cleanly (`finalize`) first sets its *departed* flag on every PE, so peers
-still finishing the last barrier do not mistake it for a death.
+that left cleanly (`finalize`) first writes its *departure word* on every PE, so peers
+still finishing the last barrier do not mistake it for a death; a PE that finalized
+before a barrier the others are in is PeerUnavailable to them at once.
 
 **Local buffers.** put/get take a symmetric object (or a numpy view inside the heap)
 on the remote side and any contiguous buffer on the local side. A local buffer inside
@@ -408,6 +419,7 @@ class ShmemContext:
         self._allocations = 0
         self._crc = 0
         self._epoch = 0
+        self._passed = 0  # the last barrier whose wait this PE got through
         self._lock = threading.RLock()
         self._outstanding: dict[int, list[tuple[Any, str]]] = {}
         self._cache: dict[tuple[int, int], Any] = {}  # (addr, length) -> MemHandle, LRU order
@@ -1004,6 +1016,12 @@ class ShmemContext:
         view = self._engine.global_table.view(engine)
         return view is None or view.epoch != epoch or view.table.lookup(base) is None
 
+    def _left_after(self, pe: int) -> int | None:
+        """The last barrier PE `pe` got through before it finalized, from its departure
+        word here (one 8-byte load: a word it wrote once, last); None while it is in."""
+        word = int(self._words(self._departed_at + pe * _WORD, 1)[0])
+        return word - 1 if word else None
+
     def _check_alive(self, waiting: Callable[[], str]) -> None:
         """PeerUnavailable if a PE's engine or heap left the global table (or the engine
         restarted) without finalize: one dict read and one bisect per PE."""
@@ -1018,27 +1036,41 @@ class ShmemContext:
     # ------------------------------------------------------------------ barrier
 
     def _broadcast(self, offset: int, value: int, timeout: float, what: str) -> None:
-        """Write one word at `offset` on every PE (this one by a store), concurrently."""
+        """Write one word at `offset` on every PE (this one by a store), concurrently.
+
+        A write that failed to a PE which has since finalized is no error: it will never
+        read the word (often it did: it got through the barrier and left, its heap going
+        away between the copy and fabric's liveness check, or before a socket's ack).
+        Whether it reached the barrier is the wait's to judge, by its epoch and its
+        departure word, which it wrote here before its heap went away.
+        """
+        _fence()  # every earlier write of this PE lands before the word does
         self._words(offset, 1)[0] = value
         scratch = self._scratch_at + 2 * _WORD
         self._words(scratch, 1)[0] = value
-        requests = [(pe, self._start_control(pe, scratch, offset, timeout))
-                    for pe in range(self.n_pes) if pe != self.my_pe]
-        first: HixlError | None = None
+        requests: list[tuple[int, Any]] = []
+        failures: list[tuple[int, HixlError]] = []
+        for pe in range(self.n_pes):
+            if pe != self.my_pe:
+                try:
+                    requests.append((pe, self._start_control(pe, scratch, offset, timeout)))
+                except HixlError as exc:
+                    failures.append((pe, exc))
         for pe, request in requests:
             try:
                 request.wait(timeout)
             except HixlError as exc:
-                first = first or self._named(exc, pe, what)
-        if first is not None:
-            raise first
+                failures.append((pe, exc))
+        if failures:
+            _fence()  # the departure word is read after the failure was seen
+            failures = [(pe, exc) for pe, exc in failures if self._left_after(pe) is None]
+        if failures:
+            pe, exc = min(failures, key=lambda failure: failure[0])
+            raise self._named(exc, pe, what)
 
     def _start_control(self, pe: int, scratch: int, offset: int, timeout: float) -> Any:
-        try:
-            return self._engine.transfer_async(self._peers[pe][0], TransferOp.WRITE,
-                                               self._word_ops(pe, scratch, offset), timeout)
-        except HixlError as exc:
-            raise self._named(exc, pe, "barrier write to") from exc
+        return self._engine.transfer_async(self._peers[pe][0], TransferOp.WRITE,
+                                           self._word_ops(pe, scratch, offset), timeout)
 
     def barrier_all(self, timeout: float | None = None) -> None:
         """Collective: complete outstanding ops, then wait until every PE got here."""
@@ -1055,13 +1087,24 @@ class ShmemContext:
             self._broadcast(self._barrier_at + self.my_pe * _WORD, epoch, wait,
                             "barrier write to")
             epochs = self._words(self._barrier_at, self.n_pes)
-            departed = self._words(self._departed_at, self.n_pes)
 
             def behind() -> list[int]:
-                return [pe for pe in range(self.n_pes) if epochs[pe] < epoch]
+                """PEs not known to be in this barrier: an older epoch here, and no
+                departure word saying they got through it (a PE may get through and
+                finalize while this one has yet to see a third PE's epoch)."""
+                return [pe for pe in range(self.n_pes) if epochs[pe] < epoch and
+                        (self._left_after(pe) or 0) < epoch]
 
             def finalized_early() -> None:
-                gone = [pe for pe in behind() if departed[pe]]
+                """PeerUnavailable for PEs that finalized before this barrier. Judged by
+                the departure word, then the epoch read after it: a PE writes its epoch
+                before its departure, so an epoch older than this barrier read after a
+                departure word from before it is final, never a write still on its way."""
+                left = {pe: self._left_after(pe) for pe in behind()}
+                gone = [pe for pe, after in left.items() if after is not None and after < epoch]
+                if gone:
+                    _fence()
+                    gone = [pe for pe in gone if epochs[pe] < epoch]
                 if gone:
                     raise PeerUnavailable(f"PE(s) {gone} finalized before barrier {epoch}: "
                                           "barrier_all is collective", failed=gone)
@@ -1069,6 +1112,7 @@ class ShmemContext:
             self._poll(lambda: len(behind()), lambda n: n == 0, wait,
                        lambda n: f"barrier {epoch} on PE {self.my_pe}: still waiting for "
                                  f"PE(s) {behind()}", finalized_early)
+            self._passed = epoch
             digests = self._words(digest_at, self.n_pes)
             mine = int(digests[self.my_pe])
             differ = [pe for pe in range(self.n_pes) if int(digests[pe]) != mine]
@@ -1083,7 +1127,8 @@ class ShmemContext:
     # ------------------------------------------------------------------ lifecycle
 
     def finalize(self, *, barrier: bool = True, timeout: float | None = None) -> None:
-        """Collective: quiet, barrier, tell the peers this PE left, close the engine.
+        """Collective: quiet, barrier, tell the peers this PE left (and the last barrier
+        it got through), close the engine.
 
         Idempotent. `barrier=False` (what leaving a `with` block on an exception does)
         skips the barrier: a failing PE does not wait for the others.
@@ -1099,8 +1144,8 @@ class ShmemContext:
             with self._lock:
                 self._finalized = True
             self._outstanding.clear()
-            try:
-                self._broadcast(self._departed_at + self.my_pe * _WORD, 1,
+            try:  # the barrier it got through goes with the notice (see _left_after)
+                self._broadcast(self._departed_at + self.my_pe * _WORD, self._passed + 1,
                                 min(wait, 2.0), "departure notice to")
             except HixlError as exc:  # a dead peer needs no notice
                 log.debug("PE %d finalize: %s", self.my_pe, exc)

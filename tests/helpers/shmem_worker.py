@@ -13,9 +13,13 @@ verdicts cross the pipe.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -332,8 +336,91 @@ def init_only(job: dict[str, Any]) -> dict[str, Any]:
                 "peers": [ctx.engine_of(t) for t in range(ctx.n_pes)]}
 
 
+@contextlib.contextmanager
+def gil_churn() -> Iterator[None]:
+    """A busy thread and a tiny GIL switch interval: this process's main thread is then
+    preempted between almost any two bytecodes, for as long as the OS takes to hand the
+    GIL back. Load, not a mock: it widens every window between two reads of a waiter."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(64))
+
+    interval = sys.getswitchinterval()
+    busy = threading.Thread(target=spin, daemon=True)
+    sys.setswitchinterval(1e-5)
+    busy.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        busy.join()
+        sys.setswitchinterval(interval)
+
+
+def last_barrier(job: dict[str, Any]) -> dict[str, Any]:
+    """The last-barrier race, round after round (a fresh job each): PE `last` enters
+    finalize's barrier last (it first puts to every PE), so every PE gets through it at
+    about once and leaves at once, while the others may still be between two reads of
+    the same barrier. They run niced and under GIL churn, so they are often preempted
+    right there. Every PE goes through every round, whatever failed before (the rounds
+    are independent jobs): the result lists each (round, error, message) seen."""
+    me, n = job["pe"], job["n_pes"]
+    if me != job["last"]:
+        os.nice(10)  # the OS hands them the CPU back late: the departing PE runs first
+    failures: list[list[Any]] = []
+    for round_ in range(job["rounds"]):
+        try:
+            ctx = shmem.ShmemContext(me, n, job["bootstrap"], "1MiB",
+                                     **{**options(job), "job": f"{job['job']}-{round_}"})
+        except HixlError as exc:
+            failures.append([round_, type(exc).__name__, str(exc)])
+            continue
+        try:
+            box = ctx.malloc(256 << 10)
+            if me == job["last"]:
+                for t in range(n):
+                    ctx.put(box, pattern(seed(7, me, t), 256 << 10), t)
+                ctx.finalize()
+            else:
+                with gil_churn():
+                    ctx.finalize()
+        except HixlError as exc:
+            failures.append([round_, type(exc).__name__, str(exc)])
+        finally:
+            ctx.finalize(barrier=False)
+    return {"rounds": job["rounds"], "failures": failures}
+
+
+def finalize_early(job: dict[str, Any]) -> dict[str, Any]:
+    """PE `early` finalizes (barrier=False) right after init, skipping the barrier the
+    others then enter: `when` "before" they enter it (they start once its engine has left
+    their global table, so their barrier writes to it fail), or "during" it (it leaves
+    once every other PE's epoch of that barrier has reached it). The others report what
+    their barrier raised: it must be PeerUnavailable naming it, however long the deadline."""
+    ctx = shmem.ShmemContext(job["pe"], job["n_pes"], job["bootstrap"], "1MiB",
+                             **options(job))
+    me, n, early = ctx.my_pe, ctx.n_pes, job["early"]
+    if me == early:
+        if job["when"] == "during":
+            epochs = ctx._words(ctx._barrier_at, n)  # this PE's slots of the others' epochs
+            while any(epochs[pe] < 2 for pe in range(n) if pe != early):
+                time.sleep(1e-3)
+        ctx.finalize(barrier=False)
+        return {"error": None}
+    if job["when"] == "before":
+        table, engine = ctx.engine.global_table, ctx.engine_of(early)
+        if not table.wait_for(lambda seen: seen.view(engine) is None, job["barrier_timeout"]):
+            return {"error": "setup: PE early never left the global table"}
+    outcome = expect_error(lambda: ctx.barrier_all(timeout=job["barrier_timeout"]))
+    ctx.finalize(barrier=False)
+    return outcome
+
+
 SCENARIOS = {"core": core, "errors": errors, "wait_for_victim": wait_for_victim,
-             "init_only": init_only, "batch": batch}
+             "init_only": init_only, "batch": batch, "last_barrier": last_barrier,
+             "finalize_early": finalize_early}
 
 
 def main() -> None:
