@@ -40,6 +40,8 @@ from hixl.registry_client import (
     EngineEndpoints,
     RegistryClient,
     agent_owner_key,
+    load_owner_secret,
+    owner_key_from_secret,
 )
 from hixl.server.agent import Agent
 from hixl.server.config import AgentConfig, prepare_runtime_dir
@@ -338,6 +340,27 @@ class AgentServer:
         await self._stop_event.wait()
         await self._astop(self._grace)
 
+    def _owner_key(self, cfg: AgentConfig) -> bytes:
+        """The key this agent's name is owned by at the registry (hixl.registry_client).
+
+        A fixed port: the name's own secret, read (or made) before serving, so a state
+        dir that cannot hold it fails the start. An ephemeral port (grpc_port 0): one
+        secret for every such engine of this host and state dir, from which each name's
+        key is derived: a later engine that draws a port an earlier one used (it can only
+        once that one is gone) proves the same name, as a restart does, instead of being
+        refused forever by the key of a process that no longer exists. Without a usable
+        state dir, a key of this process alone (and that port's name stays the first
+        user's at a long-lived registry)."""
+        if cfg.grpc_port:
+            return agent_owner_key(cfg.state_dir, self.engine_name)
+        try:
+            secret = load_owner_secret(cfg.state_dir, f"{cfg.host}:ephemeral-ports")
+        except HixlError as exc:
+            log.warning("no state dir for this engine's owner key (%s): using one of this "
+                        "process alone", exc)
+            return secrets.token_bytes(OWNER_KEY_SIZE)
+        return owner_key_from_secret(secret, self.engine_name)
+
     async def _astart(self) -> None:
         cfg = self.config
         # ours, not writable by others (whoever may write there could plant a fake fd
@@ -395,11 +418,7 @@ class AgentServer:
         registry_target = self._wire_registry(server)
         await server.start()
         if registry_target is not None:
-            # read (or made) before serving: a state dir that cannot hold it fails the start.
-            # On grpc_port 0 the name is new each start: its key need not (and, one file
-            # per port ever drawn, should not) outlive the process.
-            owner_key = (agent_owner_key(cfg.state_dir, self.engine_name) if cfg.grpc_port
-                         else secrets.token_bytes(OWNER_KEY_SIZE))
+            owner_key = self._owner_key(cfg)
             published = EngineEndpoints(
                 fabric_domain=agent.node_id, data_tcp=self.endpoints.data_tcp,
                 data_unix=self.endpoints.data_unix, fd_socket=self.endpoints.fd_socket)
