@@ -27,7 +27,7 @@ import itertools
 import logging
 import operator
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import grpc
@@ -394,15 +394,8 @@ def _bound_to_request(handler: grpc.RpcMethodHandler,
     async def serve_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if request is _MISMATCH:
             await abort_with(context, AuthenticationFailed(auth.BODY_MISMATCH))
-        items = stream(request, context)
-        if inspect.isawaitable(items):  # a handler that writes with context.write
-            await items
-        elif hasattr(items, "__aiter__"):
-            async for item in items:
-                yield item
-        else:
-            for item in items:
-                yield item
+        async for item in _items_of(stream(request, context)):
+            yield item
 
     return handler._replace(  # type: ignore[attr-defined]
         request_deserializer=checked, unary_stream=serve_stream)
@@ -482,15 +475,8 @@ def _with_request_id(handler: grpc.RpcMethodHandler, method: str,
             _RPC_METHOD.set(method)
             rpc_log.debug("%s from %s", method, context.peer())
             try:
-                items = stream(request, context)
-                if inspect.isawaitable(items):  # a handler that writes with context.write
-                    await items
-                elif hasattr(items, "__aiter__"):
-                    async for item in items:
-                        yield item
-                else:
-                    for item in items:
-                        yield item
+                async for item in _items_of(stream(request, context)):
+                    yield item
             except Exception as exc:  # noqa: BLE001 - every failure leaves one way
                 await _abort_unexpected(context, exc)
 
@@ -512,6 +498,20 @@ async def _abort_unexpected(context: grpc.aio.ServicerContext, exc: Exception) -
         metadata.append((logs.REQUEST_ID_KEY, request_id))
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}",
                         trailing_metadata=tuple(metadata))
+
+
+async def _items_of(items: Any) -> AsyncIterator[Any]:
+    """What a gRPC stream handler returned, as one async iterator: an awaitable (a
+    handler that writes with context.write) yields nothing, an async or plain iterator
+    its items."""
+    if inspect.isawaitable(items):
+        await items
+    elif hasattr(items, "__aiter__"):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
 
 
 def server_interceptors(token: bytes | None, names: Iterable[str] = (),
