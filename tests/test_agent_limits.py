@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import resource
-import select
 import shutil
 import signal
 import socket
@@ -203,14 +202,6 @@ def test_tiny_segments_cannot_exhaust_open_files(low_fd_agent: AgentProcess) -> 
     assert "Too many open files" not in agent.log()
 
 
-def closed_by_agent(sock: socket.socket) -> bool:
-    """True once the agent has closed `sock` (EOF or reset), without blocking."""
-    if not select.select([sock], [], [], 0)[0]:
-        return False
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def test_preauth_keys_reach_the_data_server(agent_process: StartAgent) -> None:
@@ -224,10 +215,10 @@ def test_preauth_keys_reach_the_data_server(agent_process: StartAgent) -> None:
     host, port = agent.info.data_tcp.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
     try:
-        wait_for(lambda: closed_by_agent(idle[0]), "the oldest idle connection is evicted")
+        wait_for(lambda: waiting.closed_by_peer(idle[0]), "the oldest idle connection is evicted")
         with AgentClient(agent.engine, timeout=10.0) as client:
             assert client.stats()["data_preauth_evicted"] == 1
-            wait_for(lambda: all(closed_by_agent(s) for s in idle[1:]),
+            wait_for(lambda: all(waiting.closed_by_peer(s) for s in idle[1:]),
                      "the others are closed at their handshake deadline")
             stats = client.stats()
             assert stats["data_handshake_timeouts"] == 2

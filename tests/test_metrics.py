@@ -8,7 +8,6 @@ replies on the agent, whose number of batches depends on how the bytes arrive).
 from __future__ import annotations
 
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -228,14 +227,6 @@ def test_agent_counts_auth_failures(metrics_agent, tmp_path: Path) -> None:
     assert value(samples, "hixl_agent_data_ops_total", transport="tcp", direction="write") == 0
 
 
-def closed_by_peer(sock: socket.socket) -> bool:
-    """True once the other side closed `sock` (EOF or reset), without blocking."""
-    if not select.select([sock], [], [], 0)[0]:
-        return False
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def test_agent_counts_preauth_evictions_and_handshake_timeouts(metrics_agent) -> None:
@@ -246,7 +237,7 @@ def test_agent_counts_preauth_evictions_and_handshake_timeouts(metrics_agent) ->
     host, port = agent.info.data_tcp.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=DEADLINE_S) for _ in range(2)]
     try:
-        eventually(lambda: all(closed_by_peer(sock) for sock in idle),
+        eventually(lambda: all(waiting.closed_by_peer(sock) for sock in idle),
                    "both idle connections closed by the agent")
     finally:
         for sock in idle:
@@ -421,7 +412,7 @@ def test_master_counts_its_store_call_endpoint() -> None:
                                      length=MiB // 2).pack() + bytes(KiB))
             eventually(lambda: value(scrape(url), "hixl_store_call_body_bytes") == MiB // 2,
                        "the stalled body holds its first step")
-            eventually(lambda: closed_by_peer(sock), "the stalled body's connection closed")
+            eventually(lambda: waiting.closed_by_peer(sock), "the stalled body's connection closed")
         samples = scrape(url)
         errors = "hixl_store_call_connection_errors_total"
         assert value(samples, "hixl_store_call_calls_total", outcome="over_budget") == 1
@@ -431,7 +422,7 @@ def test_master_counts_its_store_call_endpoint() -> None:
         assert value(samples, "hixl_store_call_body_bytes") == 0  # given back
         assert value(samples, "hixl_store_call_connections_accepted_total") == 1
         with socket.create_connection(("127.0.0.1", fast_port), timeout=DEADLINE_S) as idle:
-            eventually(lambda: closed_by_peer(idle), "the idle connection closed at its "
+            eventually(lambda: waiting.closed_by_peer(idle), "the idle connection closed at its "
                        "handshake deadline")
         samples = scrape(url)
         assert value(samples, errors, kind="handshake_timeout") == 1

@@ -13,7 +13,6 @@ before and after; the peak may not grow by more than one call's worth.
 from __future__ import annotations
 
 import os
-import select
 import socket
 from functools import partial
 
@@ -43,13 +42,6 @@ def memory(pid: int) -> dict[str, int]:
     return out
 
 
-def closed_by_peer(sock: socket.socket) -> bool:
-    if not select.select([sock], [], [], 0)[0]:
-        return False
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def test_a_header_flood_costs_the_master_no_memory(tmp_path: object) -> None:
@@ -87,7 +79,7 @@ def test_a_header_flood_costs_the_master_no_memory(tmp_path: object) -> None:
             assert client.fast_calls > fast_calls  # over the call endpoint, not gRPC
 
             # each stalled body is timed out: the master took every header and waited
-            wait_for(lambda: all(closed_by_peer(s) for s in flood),
+            wait_for(lambda: all(waiting.closed_by_peer(s) for s in flood),
                      "the master closed every connection whose body stalled")
             after = memory(master.proc.pid)
             print(f"master under {FLOOD} x {DECLARED >> 20} MiB CALL headers: VmRSS "

@@ -14,7 +14,6 @@ Deadlines only prove "does not hang"; the honest client's wait is printed, not a
 from __future__ import annotations
 
 import os
-import select
 import socket
 import time
 from collections.abc import Callable
@@ -58,14 +57,6 @@ def move(transport: SocketTransport, op: TransferOp, local: ShmSegment,
                        time.monotonic() + DEADLINE_S)
 
 
-def closed_by_peer(sock: socket.socket) -> bool:
-    """The agent closed (or reset) this socket: readable, and reads EOF."""
-    if not select.select([sock], [], [], 0)[0]:
-        return False
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def test_an_idle_flood_neither_blocks_honest_clients_nor_outlives_its_deadline(
@@ -125,7 +116,7 @@ def test_an_idle_flood_neither_blocks_honest_clients_nor_outlives_its_deadline(
               f"(unix); {calm_s * 1e3:.1f} ms (tcp) with no flood")
 
         # the agent closes the idle sockets itself, at their handshake deadline
-        wait_for(lambda: all(closed_by_peer(s) for s in flood),
+        wait_for(lambda: all(waiting.closed_by_peer(s) for s in flood),
                  f"the agent closed every idle socket ({HANDSHAKE_TIMEOUT_S:g} s deadline)")
         after = stats(agent)
         assert after["data_handshake_timeouts"] >= PREAUTH_CONNECTIONS - 1  # one made room

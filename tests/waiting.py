@@ -9,6 +9,8 @@ Nothing asserts how long the wait took; `timeout` is far beyond what a healthy r
 
 from __future__ import annotations
 
+import select
+import socket
 import time
 from collections.abc import Callable
 
@@ -21,3 +23,14 @@ def wait_until(predicate: Callable[[], object], what: str, timeout: float,
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(interval)
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """True once the other side closed `sock` (EOF or reset), without blocking: a
+    predicate for wait_until when a server is expected to drop a connection."""
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
