@@ -53,6 +53,7 @@ from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
 from hixl.server.config import describe_keys, keys_from_parser, layer_values, parse_size
 from hixl.server.leadership import Candidate, LeaderGate, Leadership
 from hixl.server.metadata import LocalJournalBackend, MetadataBackend
+from hixl.server.mooncake_flags import BoolFlag, FlagError, duration_ms, translate
 from hixl.server.registry import (
     DEFAULT_MAX_TTL_MS,
     SERVER_KEEPALIVE_OPTIONS,
@@ -82,6 +83,10 @@ EXIT_DEPOSED = 3
 #: the election lease's default TTL in s: a dead leader is replaced within about this
 DEFAULT_ETCD_LEASE_TTL_S = 5
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: mooncake_master's --http_metadata_server_port default
+DEFAULT_HTTP_METADATA_PORT = 8080
+#: seconds between two --enable-metric-reporting summaries (mooncake_master's period)
+METRIC_REPORT_INTERVAL_S = 10
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,8 @@ class StoreConfig:
     etcd_password_file: str = ""
     etcd_timeout: float = DEFAULT_ETCD_TIMEOUT_S
     etcd_lease_ttl: int = DEFAULT_ETCD_LEASE_TTL_S
+    enable_ha: bool = False
+    cluster_id: str = ""
 
     def options(self) -> StoreOptions:
         return StoreOptions(
@@ -161,6 +168,10 @@ class MasterConfig:
     call_bytes_budget: int = CALL_BYTES_BUDGET
     call_body_timeout_s: float = BODY_TIMEOUT_S
     advertise_address: str = ""
+    enable_metric_reporting: bool = False
+    enable_http_metadata_server: bool = False
+    http_metadata_server_port: int = DEFAULT_HTTP_METADATA_PORT
+    http_metadata_server_host: str = ""
 
     @classmethod
     def keys(cls) -> dict[str, dict[str, Any]]:
@@ -264,9 +275,18 @@ def _log_level(text: str) -> str:
     return level
 
 
-def _mooncake(name: str) -> tuple[str, str]:
-    """gflags accepts both -name and --name."""
-    return f"--{name}", f"-{name}"
+def _mooncake(name: str) -> tuple[str]:
+    """A mooncake_master flag name; its other spellings (-name, dashes for underscores,
+    gflags' booleans) are `translate`'s."""
+    return (f"--{name}",)
+
+
+def _duration(text: str) -> int:
+    """Milliseconds, raw or as a duration (500ms, 10s, 5m, 1h), above 0."""
+    value = duration_ms(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 ms, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE",
                         help="YAML file of settings keyed like the flags' dests "
                              "(--describe-config lists them)")
-    parser.add_argument("--describe-config", action="store_true",
+    parser.add_argument("--describe-config", action=BoolFlag,
                         help="print every config key (type, default, meaning) as JSON and exit")
     parser.add_argument("--host", *_mooncake("rpc_address"), dest="host", default=DEFAULT_HOST,
                         help="address to bind (default %(default)s: bind only what is asked)")
@@ -290,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest lease a publisher may ask for (default %(default)s)")
     parser.add_argument("--log-level", dest="log_level", type=_log_level, default="INFO",
                         metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
-    parser.add_argument("--log-json", dest="log_json", action="store_true",
+    parser.add_argument("--log-json", dest="log_json", action=BoolFlag,
                         help="log one JSON object per line (with request_id, and code, "
                              "status and hint on failures) instead of text")
     parser.add_argument("--cluster-token-file", dest="cluster_token_file", default="",
@@ -310,14 +330,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-ca-file", dest="tls_ca_file", default="", metavar="FILE",
                         help="PEM CA certificate(s) that must sign client certificates, with "
                              f"--tls-client-auth. Default: ${ENV_CA_FILE}")
-    parser.add_argument("--tls-client-auth", dest="tls_client_auth", action="store_true",
+    parser.add_argument("--tls-client-auth", dest="tls_client_auth", action=BoolFlag,
                         help="mutual TLS: serve only clients presenting a certificate signed "
                              "by --tls-ca-file (the cluster token still authenticates calls)")
-    parser.add_argument("--metrics-port", dest="metrics_port", type=_int_in(0, 65535),
-                        default=0, metavar="PORT",
-                        help="serve Prometheus metrics (registry, store: objects, space, "
-                             "evictions, results by code) on http://HOST:PORT/metrics; 0 "
-                             "(default): none")
+    parser.add_argument("--metrics-port", *_mooncake("metrics_port"), dest="metrics_port",
+                        type=_int_in(0, 65535), default=0, metavar="PORT",
+                        help="serve mooncake_master's HTTP side on --host:PORT: Prometheus "
+                             "metrics (registry, store: objects, space, evictions, results "
+                             "by code) on /metrics, and /health, /get_all_segments, "
+                             "/query_segment, /query_key, /batch_query_keys, /get_all_keys; "
+                             "0 (default): none")
+    parser.add_argument("--enable-metric-reporting", *_mooncake("enable_metric_reporting"),
+                        dest="enable_metric_reporting", action=BoolFlag, default=False,
+                        help="log a one-line summary of the store (keys, space, clients) "
+                             f"every {METRIC_REPORT_INTERVAL_S} s (mooncake_master's "
+                             "default is on; hixl's off)")
+    parser.add_argument("--enable-http-metadata-server",
+                        *_mooncake("enable_http_metadata_server"),
+                        dest="enable_http_metadata_server", action=BoolFlag, default=False,
+                        help="serve Mooncake's HTTP metadata protocol (GET/PUT/DELETE "
+                             "/metadata?key=K) for TransferEngines and stores given "
+                             "http://HOST:PORT/metadata as their metadata server")
+    parser.add_argument("--http-metadata-server-port", *_mooncake("http_metadata_server_port"),
+                        dest="http_metadata_server_port", type=_int_in(0, 65535),
+                        default=DEFAULT_HTTP_METADATA_PORT, metavar="PORT",
+                        help="port of the HTTP metadata server (default %(default)s; 0 picks "
+                             "a free one)")
+    parser.add_argument("--http-metadata-server-host", *_mooncake("http_metadata_server_host"),
+                        dest="http_metadata_server_host", default="", metavar="HOST",
+                        help="address the HTTP metadata server binds (default: --host, "
+                             "where mooncake_master's is 0.0.0.0)")
     parser.add_argument("--fast-port", dest="fast_port", type=_int_in(-1, 65535), default=0,
                         metavar="PORT",
                         help="port of the store call endpoint on --host: the hot store calls "
@@ -350,8 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     store = parser.add_argument_group("KV store (mooncake_master flags)")
     defaults = StoreConfig()
     store.add_argument(*_mooncake("default_kv_lease_ttl"), dest="default_kv_lease_ttl_ms",
-                       type=_int_in(1), default=defaults.default_kv_lease_ttl_ms, metavar="MS",
-                       help="kv read lease in ms (> 0)")
+                       type=_duration, default=defaults.default_kv_lease_ttl_ms, metavar="MS",
+                       help="kv read lease: ms, or a duration like 10s (> 0; default "
+                            "%(default)s ms)")
     store.add_argument(*_mooncake("eviction_high_watermark_ratio"),
                        dest="eviction_high_watermark_ratio", type=_ratio, metavar="RATIO",
                        default=defaults.eviction_high_watermark_ratio,
@@ -367,9 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
                        type=_strategy, default=defaults.allocation_strategy,
                        metavar="STRATEGY", help="random (default) or free_ratio_first")
     store.add_argument(*_mooncake("default_kv_soft_pin_ttl"),
-                       dest="default_kv_soft_pin_ttl_ms", type=_int_in(1), metavar="MS",
+                       dest="default_kv_soft_pin_ttl_ms", type=_duration, metavar="MS",
                        default=defaults.default_kv_soft_pin_ttl_ms,
-                       help="soft pin ttl in ms when a put asks for none")
+                       help="soft pin ttl when a put asks for none: ms, or a duration like "
+                            "30m (default %(default)s ms)")
     store.add_argument(*_mooncake("put_start_discard_timeout_sec"),
                        dest="put_start_discard_timeout_s", type=_int_in(1), metavar="S",
                        default=defaults.put_start_discard_timeout_s,
@@ -386,8 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where committed store metadata is kept across restarts "
                             "(default: $XDG_STATE_HOME/hixl/master-<port>; none with "
                             "--port 0)")
-    store.add_argument("--no-persist", dest="persist", action="store_false",
-                       help="keep the store in memory only (every key is lost on restart)")
+    store.add_argument("--persist", dest="persist", action=BoolFlag, default=True,
+                       help="keep committed store metadata across restarts (default true); "
+                            "--no-persist (--persist=false): in memory only, every key is "
+                            "lost on restart")
     etcd = parser.add_argument_group(
         "store metadata on etcd (instead of --data-dir; several masters share one etcd)")
     etcd.add_argument("--etcd-endpoints", dest="etcd_endpoints", default="",
@@ -419,6 +465,15 @@ def build_parser() -> argparse.ArgumentParser:
                       default=defaults.etcd_timeout, metavar="S",
                       help="deadline of each etcd call in seconds: a change etcd cannot "
                            "commit within it fails the store call (default %(default)s)")
+    etcd.add_argument("--enable-ha", *_mooncake("enable_ha"), dest="enable_ha",
+                      action=BoolFlag, default=False,
+                      help="mooncake_master's high availability: several masters on one "
+                           "etcd, a leader elected (needs --etcd-endpoints; hixl-master "
+                           "does this whenever etcd endpoints are given)")
+    etcd.add_argument("--cluster-id", *_mooncake("cluster_id"), dest="cluster_id", default="",
+                      metavar="ID",
+                      help="the cluster's name on etcd: its prefix becomes /hixl/<ID>/ "
+                           "(instead of --etcd-prefix; give one of the two)")
     etcd.add_argument("--etcd-lease-ttl", dest="etcd_lease_ttl", type=_int_in(1, 600),
                       default=defaults.etcd_lease_ttl, metavar="S",
                       help="TTL in whole seconds of the leases holding this master's "
@@ -429,25 +484,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def hixl_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`argv` in hixl-master's own spelling (any gflags or mooncake_master spelling
+    translated, server/mooncake_flags.py), and a line per accepted flag that is not
+    used. A flag that cannot be taken exits(2), naming it, as argparse does."""
+    parser = build_parser()
+    try:
+        translation = translate(parser, argv)
+    except FlagError as exc:
+        parser.error(str(exc))
+    return translation.argv, translation.unused
+
+
 def given_flags(argv: list[str]) -> dict[str, Any]:
     """dest -> value of the flags `argv` sets, leaving out those it does not: only given
     flags may override the file and the environment."""
     parser = build_parser()
     for action in parser._actions:
         action.default = argparse.SUPPRESS
-    given = vars(parser.parse_args(argv))
+    given = vars(parser.parse_args(hixl_argv(argv)[0]))
     for dest in COMMAND_ONLY_DESTS:
         given.pop(dest, None)
     return given
 
 
 def parse_config(argv: list[str], env: Mapping[str, str] | None = None) -> MasterConfig:
-    """Defaults < `--config` YAML < HIXL_MASTER_* in `env` (default os.environ) < flags.
+    """Defaults < `--config` YAML < HIXL_MASTER_* in `env` (default os.environ) < flags
+    (in any spelling `hixl_argv` takes).
 
     Bad flags exit(2) with argparse's message naming the flag; a bad key or value in the
     file or the environment raises ConfigError naming the key and its source.
     """
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(hixl_argv(argv)[0])
     return MasterConfig.load(args.config, given_flags(argv), env)
 
 
@@ -464,8 +532,18 @@ def etcd_settings(config: StoreConfig) -> EtcdConfig | None:
     password file, a user without a password file or the other way round, and the
     contradictions: etcd_endpoints with data_dir (two homes for one store's metadata) or
     with persist false (in memory only)."""
-    if not config.etcd_endpoints.strip():
+    endpoints = config.etcd_endpoints.replace(";", ",")  # mooncake_master separates by ";"
+    if not endpoints.strip():
+        if config.enable_ha:
+            raise ConfigError("enable_ha: hixl-master's high availability runs on etcd: give "
+                              "etcd_endpoints (--etcd_endpoints=host:2379)")
         return None
+    prefix = config.etcd_prefix
+    if config.cluster_id:
+        if prefix != DEFAULT_ETCD_PREFIX:
+            raise ConfigError(f"cluster_id {config.cluster_id!r} and etcd_prefix {prefix!r} "
+                              "both name the cluster's place on etcd: give one")
+        prefix = f"/hixl/{config.cluster_id}/"
     if config.data_dir:
         raise ConfigError("data_dir and etcd_endpoints both say where the store's metadata "
                           "lives: give one (with etcd, leave data_dir empty)")
@@ -485,7 +563,7 @@ def etcd_settings(config: StoreConfig) -> EtcdConfig | None:
                               f"it: {getattr(exc, 'strerror', None) or exc}") from None
         if not password:
             raise ConfigError(f"etcd_password_file {config.etcd_password_file} is empty")
-    return EtcdConfig(endpoints=config.etcd_endpoints, prefix=config.etcd_prefix,  # type: ignore[arg-type]
+    return EtcdConfig(endpoints=endpoints, prefix=prefix,  # type: ignore[arg-type]
                       ca_file=config.etcd_ca_file, cert_file=config.etcd_cert_file,
                       key_file=config.etcd_key_file, user=config.etcd_user,
                       password=password, timeout=config.etcd_timeout)
@@ -784,6 +862,7 @@ def run_master(argv: list[str] | None = None) -> int:
     """Process entry: parse flags, serve on uvloop until SIGTERM/SIGINT, return the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     try:
+        argv, unused = hixl_argv(argv)
         if build_parser().parse_args(argv).describe_config:
             print(json.dumps(MasterConfig.describe(), indent=2))
             return 0
@@ -794,6 +873,8 @@ def run_master(argv: list[str] | None = None) -> int:
         print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
         return 2
     setup_logging(config.log_level, config.log_json)
+    for line in unused:
+        log.warning("%s", line)
     try:
         token = load_token(config.cluster_token_file or None)
         server_tls(config)  # an unusable TLS file is a configuration error too (exit 2)
