@@ -49,9 +49,16 @@ from hixl.etcd import DEFAULT_TIMEOUT_S as DEFAULT_ETCD_TIMEOUT_S
 from hixl.etcd import UNAVAILABLE_ERRORS, Compare, Election, EtcdClient, EtcdConfig
 from hixl.failover import parse_address
 from hixl.logs import setup_logging
-from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
+from hixl.metrics import CollectorRegistry, FunctionCollector
 from hixl.server.config import describe_keys, keys_from_parser, layer_values, parse_size
 from hixl.server.leadership import Candidate, LeaderGate, Leadership
+from hixl.server.master_http import (
+    HttpServer,
+    MetadataStore,
+    add_mooncake_metrics,
+    admin_routes,
+    fields_line,
+)
 from hixl.server.metadata import LocalJournalBackend, MetadataBackend
 from hixl.server.mooncake_flags import BoolFlag, FlagError, duration_ms, translate
 from hixl.server.registry import (
@@ -788,18 +795,18 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
             return 1
         calls.fast_port = fast.port
     servicer = add_store_service(server, store, calls)
-    metrics = None
-    if config.metrics_port:
-        try:
-            metrics = MetricsServer(metrics_registry(registry, lambda: calls.store,
-                                                     servicer.results, fast),
-                                    config.host, config.metrics_port, "--metrics-port")
-        except ConfigError as exc:
-            print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
-            if fast is not None:
-                await asyncio.to_thread(fast.stop)
-            await close_store()
-            return 1
+    try:
+        http = start_http(config, registry, lambda: calls.store, servicer.results, fast,
+                          leadership)
+    except ConfigError as exc:
+        print(f"hixl-master: {exc}", file=sys.stderr, flush=True)
+        if fast is not None:
+            await asyncio.to_thread(fast.stop)
+        await close_store()
+        return 1
+    if config.enable_metric_reporting:
+        http.append(loop.create_task(report_metrics(lambda: calls.store),
+                                     name="hixl-metric-reporting"))
     expiry = start_expiry(registry)
     if etcd is None:
         standby.upkeep = loop.create_task(upkeep_forever(store), name="hixl-store-upkeep")
@@ -826,10 +833,58 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         await server.stop(STOP_GRACE_S)
         if fast is not None:
             await asyncio.to_thread(fast.stop)
-        if metrics is not None:
-            await asyncio.to_thread(metrics.close)
+        for part in http:
+            if isinstance(part, asyncio.Task):
+                part.cancel()
+            else:
+                await asyncio.to_thread(part.close)
         await close_store()
     return standby.exit_code
+
+
+def start_http(config: MasterConfig, registry: Registry, store: Callable[[], ObjectStore],
+               results: dict[tuple[str, int], int], fast: StoreCallServer | None,
+               leadership: Leadership | None) -> list[Any]:
+    """The HTTP side the settings ask for (server/master_http.py): the admin server on
+    metrics_port, the metadata server with enable_http_metadata_server; what was started
+    (to close), or ConfigError naming the setting whose port cannot be bound."""
+    def health() -> tuple[bool, dict[str, Any]]:
+        leading = leadership is None or leadership.leading
+        leader = None if leadership is None else (leadership.leader or None)
+        return leading, {"status": "ok", "role": "leader" if leading else "standby",
+                         "ha_state": "serving" if leading else "standby",
+                         "service_ready": leading, "leader_address": leader,
+                         "view_version": None}
+
+    started: list[Any] = []
+    try:
+        if config.metrics_port:
+            metrics = metrics_registry(registry, store, results, fast)
+            add_mooncake_metrics(metrics, store)
+            admin = HttpServer(admin_routes(store, metrics, health), config.host,
+                               config.metrics_port, "metrics_port (--metrics_port)")
+            started.append(admin)
+            log.info("HTTP side (metrics, health, segments, keys) on %s", admin.url)
+        if config.enable_http_metadata_server:
+            host = config.http_metadata_server_host or config.host
+            metadata = HttpServer(MetadataStore().routes(), host,
+                                  config.http_metadata_server_port,
+                                  "http_metadata_server_port (--http_metadata_server_port)")
+            started.append(metadata)
+            log.info("HTTP metadata server on %s/metadata", metadata.url)
+    except ConfigError:
+        for server in started:
+            server.close()
+        raise
+    return started
+
+
+async def report_metrics(store: Callable[[], ObjectStore]) -> None:
+    """--enable_metric_reporting: the store in one log line, every METRIC_REPORT_INTERVAL_S."""
+    while True:
+        await asyncio.sleep(METRIC_REPORT_INTERVAL_S)
+        stats = await asyncio.to_thread(lambda: store().stats())
+        log.info("Master Metrics: %s", fields_line(stats))
 
 
 def metrics_registry(registry: Registry, store: Callable[[], ObjectStore],
