@@ -862,14 +862,15 @@ def start_http(config: MasterConfig, registry: Registry, store: Callable[[], Obj
             metrics = metrics_registry(registry, store, results, fast)
             add_mooncake_metrics(metrics, store)
             admin = HttpServer(admin_routes(store, metrics, health), config.host,
-                               config.metrics_port, "metrics_port (--metrics_port)")
+                               config.metrics_port, "metrics_port (--metrics-port / --metrics_port)")
             started.append(admin)
             log.info("HTTP side (metrics, health, segments, keys) on %s", admin.url)
         if config.enable_http_metadata_server:
             host = config.http_metadata_server_host or config.host
             metadata = HttpServer(MetadataStore().routes(), host,
                                   config.http_metadata_server_port,
-                                  "http_metadata_server_port (--http_metadata_server_port)")
+                                  "http_metadata_server_port (--http-metadata-server-port / "
+                                  "--http_metadata_server_port)")
             started.append(metadata)
             log.info("HTTP metadata server on %s/metadata", metadata.url)
     except ConfigError:
