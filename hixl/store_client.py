@@ -53,11 +53,14 @@ forms are batches of one. Engine endpoints (data addresses) of the segments' own
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
+import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +82,8 @@ from hixl.store_codes import ErrorCode
 from hixl.store_rpc import MESSAGES, CallFailed, FastPath, target_host
 from hixl.tls import TlsSetting, client_tls
 from hixl.v1 import store_pb2, store_pb2_grpc
+
+log = logging.getLogger("hixl.store.client")
 
 # ---------------------------------------------------------------------------- types
 
@@ -164,6 +169,30 @@ class PutStartResult:
     code: int
     put_id: int = 0
     replicas: tuple[Replica, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Space the master set aside for this client (docs/store.md §2): `space` is the span
+    (engine, segment, epoch, addr, length) it may place values in and commit."""
+
+    reservation_id: int
+    space: Replica
+
+
+@dataclass(frozen=True)
+class ReserveResult:
+    """code OK: one reservation per replica (distinct segments), usable within
+    `lease_ttl_ms` of sending the request."""
+
+    code: int
+    reservations: tuple[Reservation, ...] = ()
+    lease_ttl_ms: int = 0
+    message: str = ""
+
+
+#: one replica's claim in a Commit: (reservation id, owner address, length)
+ReservedRange = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -369,7 +398,7 @@ def key_info_from_pb(pb: store_pb2.KeyInfo) -> KeyInfo:
 #: provably never left (a repeated PutEnd / Remove would report a done thing as failed,
 #: a repeated PutStart would leave a second put in progress)
 NOT_IDEMPOTENT = frozenset({"PutStart", "PutEnd", "PutRevoke", "Remove", "RemoveByRegex",
-                            "RemoveAll", "UnmountSegment"})
+                            "RemoveAll", "UnmountSegment", "Reserve", "Commit"})
 #: replies that name the master's store call endpoint port (`fast_port`)
 ADVERTISING = frozenset({"Heartbeat", "MountSegment"})
 
@@ -624,6 +653,43 @@ class MasterClient:
         reply = self._call(method, request, f"{what} of {len(puts)} key(s)", timeout)
         return list(reply.codes)
 
+    # -- one-round-trip puts (docs/store.md §2) ---------------------------------------
+
+    def reserve(self, config: ReplicaConfig | None = None, want_bytes: int = 0, *,
+                release: Sequence[int] = (), timeout: float | None = None) -> ReserveResult:
+        """Space set aside for this client's puts, one reservation per replica (ending
+        the reservations in `release` first). Write into one only before the lease
+        (`lease_ttl_ms`) counted from *before* this call, less a margin."""
+        request = store_pb2.ReserveRequest(
+            client_id=self.client_id, node_id=self.node_id, bytes=want_bytes,
+            config=replica_config_to_pb(config or ReplicaConfig()), release=list(release))
+        reply = self._call("Reserve", request, "reserve", timeout)
+        return ReserveResult(reply.code, tuple(
+            Reservation(r.reservation_id, replica_from_pb(r.space)) for r in reply.reservations),
+            reply.lease_ttl_ms, reply.message)
+
+    def batch_commit(self, items: Sequence[tuple[str, int, Sequence[ReservedRange]]],
+                     config: ReplicaConfig | None = None, *, upsert: bool = False,
+                     timeout: float | None = None) -> list[int]:
+        """Make each (key, size, [(reservation id, addr, length)] per replica), written
+        before this call, visible; one code per item. OK renews the reservations used."""
+        request = store_pb2.CommitRequest(
+            client_id=self.client_id, upsert=upsert,
+            config=replica_config_to_pb(config or ReplicaConfig()),
+            items=[store_pb2.CommitItem(key=key, value_length=size, ranges=[
+                store_pb2.ReservedRange(reservation_id=rid, addr=addr, length=length)
+                for rid, addr, length in ranges]) for key, size, ranges in items])
+        reply = self._call("Commit", request, f"commit of {len(items)} key(s)", timeout)
+        return list(reply.codes)
+
+    def release(self, reservation_ids: Sequence[int], timeout: float | None = None,
+                ) -> list[int]:
+        """End reservations of this client: what they still hold is free again."""
+        reply = self._call("Release", store_pb2.ReleaseRequest(
+            client_id=self.client_id, reservation_ids=list(reservation_ids)),
+            f"release of {len(reservation_ids)} reservation(s)", timeout)
+        return list(reply.codes)
+
     # -- reads -----------------------------------------------------------------------
 
     def batch_get_replicas(self, keys: Sequence[str], timeout: float | None = None,
@@ -718,12 +784,241 @@ class MasterClient:
         self.close()
 
 
+# ---------------------------------------------------------------------------- reservations
+
+#: a reservation is written only while this share of its lease is left (docs/store.md §2)
+RESERVATION_MARGIN = 0.25
+#: values up to this share of a reservation are placed in one (larger ones: two-phase put)
+PLACE_AT_MOST = 0.25
+#: after the master could not grant a reservation: none asked for during this long
+RESERVE_BACKOFF_S = 1.0
+_ALIGN = 64
+
+
+@dataclass(eq=False)
+class _Held:
+    """One reservation as its client uses it."""
+
+    reservation: Reservation
+    ttl_s: float
+    fresh_until: float           # monotonic: no write into it from then on
+    cursor: int = 0              # next free byte, from space.addr
+    in_flight: int = 0           # placements neither committed nor given up
+    retired: bool = False        # no new placements (spent, or unknown to the master)
+
+    def room(self) -> int:
+        return self.reservation.space.length - self.cursor
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where one value goes: the replicas to write and, per replica, the claim to commit."""
+
+    replicas: tuple[Replica, ...]
+    ranges: tuple[ReservedRange, ...]
+    held: tuple[_Held, ...]
+
+
+def _placement_key(config: ReplicaConfig) -> tuple[Any, ...]:
+    """What decides where a put's replicas go (pins do not)."""
+    return (config.replica_num, config.preferred_segments, config.prefer_alloc_in_same_node)
+
+
+class ReservedSpace:
+    """A client's reservations at its master, for puts in one round trip (docs/store.md
+    §2): place values, check a placement is still safe to write, commit. Thread-safe.
+
+    The one rule that keeps a restarted master's space safe: a reservation is written
+    only before `sent + ttl * (1 - RESERVATION_MARGIN)`, `sent` being when the Reserve,
+    or the last Commit that used it and was answered OK, was *sent*.
+    """
+
+    def __init__(self, master: MasterClient, want_bytes: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.master = master
+        self.want_bytes = want_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sets: dict[tuple[Any, ...], list[_Held]] = {}
+        self._spent: list[_Held] = []        # retired, to release once nothing is in flight
+        self._off_until = 0.0
+        self._disabled = False
+        #: values committed, and master calls made (Reserve, Commit, Release), for tests
+        #: and operators
+        self.commits = 0
+        self.calls = 0
+
+    def place(self, config: ReplicaConfig, sizes: Sequence[int]) -> list[Placement | None]:
+        """A placement per size (None: use the two-phase put), reserving at most once."""
+        out: list[Placement | None] = [None] * len(sizes)
+        with self._lock:
+            if self._disabled or self._clock() < self._off_until:
+                return out
+            key = _placement_key(config)
+            reserved = False
+            for index, size in enumerate(sizes):
+                need = (size + _ALIGN - 1) // _ALIGN * _ALIGN
+                held = self._sets.get(key)
+                if held is not None and self._too_big(held, need):
+                    continue  # the two-phase put's, whatever the room left
+                chosen = self._choose(held, need, config) if held is not None else None
+                if chosen is None:
+                    if held is not None:
+                        self._retire(key)
+                    if reserved:
+                        break
+                    reserved = True
+                    held = self._reserve_locked(key, config)
+                    if held is None or self._too_big(held, need):
+                        continue
+                    chosen = self._choose(held, need, config)
+                    if chosen is None:
+                        continue
+                out[index] = self._take(chosen, size, need)
+        return out
+
+    def fresh(self, placement: Placement) -> bool:
+        """True while every reservation of `placement` may still be written: check it
+        right before writing."""
+        now = self._clock()
+        return all(not held.retired and now < held.fresh_until for held in placement.held)
+
+    def abandon(self, placements: Sequence[Placement]) -> None:
+        """These placements will not be committed (their write failed or was skipped):
+        their ranges stay unused until the reservation ends."""
+        with self._lock:
+            for placement in placements:
+                for held in placement.held:
+                    held.in_flight -= 1
+
+    def commit(self, items: Sequence[tuple[str, int, Placement]], config: ReplicaConfig, *,
+               upsert: bool = False) -> list[int]:
+        """Commit written values: one code per item (raises MasterRpcError as the master
+        client does; the reservations involved are then retired). OK renews the
+        reservations used; OBJECT_NOT_FOUND / LEASE_EXPIRED mean the master no longer
+        knows them (it restarted, or the lease ended): they are dropped."""
+        sent = self._clock()
+        self.calls += 1
+        try:
+            codes = self.master.batch_commit(
+                [(key, size, placement.ranges) for key, size, placement in items], config,
+                upsert=upsert)
+        except MasterRpcError:
+            with self._lock:
+                for _, _, placement in items:
+                    for held in placement.held:
+                        held.in_flight -= 1
+                        held.retired = True
+                self._drop_retired_sets()
+            raise
+        with self._lock:
+            for (_, _, placement), code in zip(items, codes, strict=True):
+                for held in placement.held:
+                    held.in_flight -= 1
+                    if code == ErrorCode.OK:
+                        held.fresh_until = max(held.fresh_until, self._fresh_from(held, sent))
+                    elif code in (ErrorCode.OBJECT_NOT_FOUND, ErrorCode.LEASE_EXPIRED):
+                        held.retired = True
+            self._drop_retired_sets()
+            self.commits += len(items)
+        return codes
+
+    def close(self) -> None:
+        """Release every reservation that has nothing in flight (best effort)."""
+        with self._lock:
+            ids = [h.reservation.reservation_id for held in self._sets.values() for h in held
+                   if not h.in_flight]
+            ids += [h.reservation.reservation_id for h in self._spent if not h.in_flight]
+            self._sets.clear()
+            self._spent.clear()
+            self._disabled = True
+        if ids:
+            self.calls += 1
+            with contextlib.suppress(MasterRpcError):
+                self.master.release(ids, timeout=min(self.master.timeout, 2.0))
+
+    # -- internals (under the lock) ------------------------------------------------------
+
+    @staticmethod
+    def _fresh_from(held: _Held, sent: float) -> float:
+        return sent + held.ttl_s * (1 - RESERVATION_MARGIN)
+
+    @staticmethod
+    def _too_big(held: list[_Held], need: int) -> bool:
+        return any(need > h.reservation.space.length * PLACE_AT_MOST for h in held)
+
+    def _choose(self, held: list[_Held], need: int, config: ReplicaConfig,
+                ) -> list[_Held] | None:
+        """The reservations one value of `need` bytes goes to: replica_num of them (fewer
+        when the master found fewer segments), the first ones when the config prefers
+        segments (the master returned them in its order), else at random, as the random
+        strategy spreads values; None when they lack room or are no longer fresh."""
+        now = self._clock()
+
+        def usable(h: _Held) -> bool:
+            return not h.retired and now < h.fresh_until and h.room() >= need
+
+        count = min(config.replica_num, len(held))
+        if config.preferred_segments or config.prefer_alloc_in_same_node:
+            first = held[:count]
+            return first if all(usable(h) for h in first) else None
+        candidates = [h for h in held if usable(h)]
+        return random.sample(candidates, count) if len(candidates) >= count else None
+
+    def _take(self, held: list[_Held], size: int, need: int) -> Placement:
+        replicas, ranges = [], []
+        for h in held:
+            space = h.reservation.space
+            addr = space.addr + h.cursor
+            h.cursor += need
+            h.in_flight += 1
+            replicas.append(Replica(0, space.engine, space.segment_id, space.epoch, addr,
+                                    size, space.node_id, ReplicaState.INIT))
+            ranges.append((h.reservation.reservation_id, addr, need))
+        return Placement(tuple(replicas), tuple(ranges), tuple(held))
+
+    def _retire(self, key: tuple[Any, ...]) -> None:
+        for held in self._sets.pop(key, []):
+            held.retired = True
+            self._spent.append(held)
+
+    def _drop_retired_sets(self) -> None:
+        for key in [k for k, held in self._sets.items() if any(h.retired for h in held)]:
+            self._retire(key)
+
+    def _reserve_locked(self, key: tuple[Any, ...], config: ReplicaConfig) -> list[_Held] | None:
+        """A new set of reservations for `config` (releasing spent ones), or None."""
+        release = [h for h in self._spent if not h.in_flight]
+        self._spent = [h for h in self._spent if h.in_flight]
+        sent = self._clock()
+        self.calls += 1
+        try:
+            result = self.master.reserve(config, self.want_bytes,
+                                         release=[h.reservation.reservation_id for h in release])
+        except MasterUnavailable:
+            self._off_until = self._clock() + RESERVE_BACKOFF_S
+            return None
+        except MasterRpcError as exc:  # e.g. a master without Reserve: two-phase puts only
+            log.info("reservations off for this client: %s", exc)
+            self._disabled = True
+            return None
+        if result.code != ErrorCode.OK or not result.reservations:
+            self._off_until = self._clock() + RESERVE_BACKOFF_S
+            return None
+        ttl = result.lease_ttl_ms / 1000
+        held = [_Held(r, ttl, sent + ttl * (1 - RESERVATION_MARGIN))
+                for r in result.reservations]
+        self._sets[key] = held
+        return held
+
+
 __all__ = [
     "ClientStatus", "CountResult", "GetReplicasResult", "HeartbeatResult", "KeyInfo",
     "KeyListing", "KeyReplica", "KeyState", "MasterClient", "MasterNotLeader",
     "MasterAuthenticationFailed", "MasterRpcError", "MasterUnavailable", "MountedSegment",
     "NOT_IDEMPOTENT",
-    "PutStartResult", "Replica", "ReplicaConfig", "ReplicaState", "SegmentResult",
+    "PutStartResult", "Replica", "ReplicaConfig", "ReplicaState", "Reservation",
+    "Placement", "ReserveResult", "ReservedRange", "ReservedSpace", "SegmentResult",
     "SoftPinAction", "StoreSegment", "key_info_from_pb", "key_info_to_pb", "master_error",
     "replica_config_from_pb",
     "replica_config_to_pb", "replica_from_pb", "replica_to_pb", "store_segment_from_pb",

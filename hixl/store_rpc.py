@@ -39,7 +39,8 @@ from hixl.v1 import store_pb2
 
 #: method number on the wire -> gRPC method name
 METHODS: dict[int, str] = {1: "PutStart", 2: "PutEnd", 3: "PutRevoke", 4: "GetReplicas",
-                           5: "ExistKey", 6: "GetSize", 7: "Remove"}
+                           5: "ExistKey", 6: "GetSize", 7: "Remove", 8: "Reserve",
+                           9: "Commit", 10: "Release"}
 METHOD_NUMBERS = {name: number for number, name in METHODS.items()}
 #: method name -> (request message, reply message), as in the gRPC service
 MESSAGES: dict[str, tuple[Any, Any]] = {
@@ -50,6 +51,9 @@ MESSAGES: dict[str, tuple[Any, Any]] = {
     "ExistKey": (store_pb2.KeysRequest, store_pb2.CodesReply),
     "GetSize": (store_pb2.KeysRequest, store_pb2.GetSizeReply),
     "Remove": (store_pb2.RemoveRequest, store_pb2.CodesReply),
+    "Reserve": (store_pb2.ReserveRequest, store_pb2.ReserveReply),
+    "Commit": (store_pb2.CommitRequest, store_pb2.CodesReply),
+    "Release": (store_pb2.ReleaseRequest, store_pb2.CodesReply),
 }
 
 #: longest wait for the endpoint to accept a connection (within the call's deadline):

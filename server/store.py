@@ -79,6 +79,9 @@ from hixl.store_client import (
     Replica,
     ReplicaConfig,
     ReplicaState,
+    Reservation,
+    ReservedRange,
+    ReserveResult,
     SegmentResult,
     SoftPinAction,
     StoreSegment,
@@ -229,12 +232,19 @@ class StoreOptions:
     #: journal records between snapshots (a snapshot truncates the journal)
     snapshot_every_records: int = 100_000
     fsync: bool = True
+    #: lease of a one-round-trip put's reservation (docs/store.md §2), renewed by each
+    #: commit that uses it; also how long a store that may have had a predecessor
+    #: allocates nothing after it starts (a stale reservation's writes end by then)
+    reservation_ttl_ms: int = 1_000
+    #: space one reservation sets aside per segment (at most an eighth of the segment)
+    reservation_bytes: int = 32 << 20
 
     def check(self) -> None:
         """ConfigError naming the first unusable setting."""
         positive = ("default_kv_lease_ttl_ms", "default_kv_soft_pin_ttl_ms", "client_ttl_s",
                     "put_start_discard_timeout_s", "put_start_release_timeout_s",
-                    "remount_grace_s", "snapshot_every_records")
+                    "remount_grace_s", "snapshot_every_records", "reservation_ttl_ms",
+                    "reservation_bytes")
         for name in positive:
             value = getattr(self, name)
             if not value > 0:
@@ -347,6 +357,22 @@ class OffsetAllocator:
     def block_size(self, offset: int) -> int:
         return self._used[offset]
 
+    def carve(self, block: int, offset: int, size: int) -> bool:
+        """Split the allocated block at `block` so that [offset, offset + aligned size)
+        becomes a block of its own (the rest stay allocated blocks too); False, changing
+        nothing, when that range is not inside the block or `offset` is not aligned."""
+        need = _align(max(size, 1), self.alignment)
+        length = self._used.get(block)
+        if (length is None or offset % self.alignment or offset < block
+                or offset + need > block + length):
+            return False
+        if offset > block:
+            self._used[block] = offset - block
+        self._used[offset] = need
+        if offset + need < block + length:
+            self._used[offset + need] = block + length - offset - need
+        return True
+
     def _insert_free(self, start: int, length: int) -> None:
         bisect.insort(self._starts, start)
         self._free[start] = length
@@ -363,6 +389,7 @@ class _Segment:
     allocator: OffsetAllocator
     keys: set[str] = field(default_factory=set)         # committed objects with a replica here
     puts: set[int] = field(default_factory=set)         # pending puts with a replica here
+    reservations: set[int] = field(default_factory=set)  # reservations with pieces here
 
     @property
     def ident(self) -> tuple[str, int]:
@@ -412,6 +439,32 @@ class _Put:
     replicas: list[_Replica]
     started: float
     config: ReplicaConfig
+
+
+@dataclass(eq=False)
+class _Reservation:
+    """Space set aside for one client's one-round-trip puts (docs/store.md §2): the
+    allocator blocks (`pieces`: start -> length) it still holds in `segment`."""
+
+    reservation_id: int
+    client_id: str
+    segment: _Segment
+    pieces: dict[int, int]
+    lease_until: float
+
+    def piece_holding(self, offset: int, need: int) -> int | None:
+        """The start of the piece that holds [offset, offset + need), if any."""
+        for start, length in self.pieces.items():
+            if start <= offset and offset + need <= start + length:
+                return start
+        return None
+
+
+#: segments one Reserve sets space aside on (at least replica_num): a client spreads its
+#: values over them at random, as the `random` allocation strategy would
+RESERVE_SPREAD = 8
+#: reservations remembered after they end, to answer LEASE_EXPIRED rather than not found
+_ENDED_KEPT = 4096
 
 
 #: (backend, its mark after a record), or None without persistence.
@@ -464,9 +517,15 @@ class ObjectStore:
         self._deadline_seq = itertools.count()
         self._replica_ids = itertools.count(1)
         self._put_ids = itertools.count(secrets.randbits(40) << 16 | 1)
+        self._reservations: dict[int, _Reservation] = {}
+        self._ended_reservations: OrderedDict[int, str] = OrderedDict()  # id -> client
+        # random start: a restarted master never answers to an old reservation id
+        self._reservation_ids = itertools.count(secrets.randbits(40) << 16 | 1)
+        #: False only for a persistent store that loaded nothing (its first start)
+        self._may_have_predecessor = True
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "evicted", "evictions", "expired_clients", "preempted_puts",
-             "released_puts"), 0)
+             "released_puts", "commits", "reservations_granted", "reservations_expired"), 0)
         self._snapshot_lock = threading.Lock()
         if data_dir is not None and backend is not None:
             raise TypeError("ObjectStore takes data_dir or backend, not both")
@@ -645,24 +704,185 @@ class ObjectStore:
                     codes.append(put)
                     continue
                 self._forget_put_locked(put)
-                old = self._objects.pop(key, None)
-                soft_until = 0.0
-                if old is not None:
-                    soft_until = old.soft_pin_until
-                    self._release_object_locked(key, old, now)
-                action = put.config.soft_pin_action
-                if action == SoftPinAction.ENABLE:
-                    ttl_ms = put.config.soft_pin_ttl_ms or self.options.default_kv_soft_pin_ttl_ms
-                    soft_until = now + ttl_ms / 1000
-                elif action == SoftPinAction.DISABLE:
-                    soft_until = 0.0
-                obj = _Object(put.size, put.replicas, put.config.with_hard_pin, soft_until)
-                self._install_locked(key, obj)
-                self._counters["puts"] += 1
-                committed.append(obj.record(key))
+                committed.append(self._install_value_locked(key, put.size, put.replicas,
+                                                            put.config, now))
                 codes.append(ErrorCode.OK)
             mark = self._journal_locked({"t": "put", "o": committed}) if committed else None
         return self._after_commit(codes, mark)
+
+    def _install_value_locked(self, key: str, size: int, replicas: list[_Replica],
+                              config: ReplicaConfig, now: float) -> list[Any]:
+        """Make a written value visible (replacing the key's value, whose space waits
+        for its lease), as PutEnd and Commit do; returns its journal record."""
+        old = self._objects.pop(key, None)
+        soft_until = 0.0
+        if old is not None:
+            soft_until = old.soft_pin_until
+            self._release_object_locked(key, old, now)
+        action = config.soft_pin_action
+        if action == SoftPinAction.ENABLE:
+            ttl_ms = config.soft_pin_ttl_ms or self.options.default_kv_soft_pin_ttl_ms
+            soft_until = now + ttl_ms / 1000
+        elif action == SoftPinAction.DISABLE:
+            soft_until = 0.0
+        obj = _Object(size, replicas, config.with_hard_pin, soft_until)
+        self._install_locked(key, obj)
+        self._counters["puts"] += 1
+        return obj.record(key)
+
+    # -- one-round-trip puts (docs/store.md §2) -------------------------------------------
+
+    def start_fence_s(self) -> float:
+        """How long a front end that starts serving this store must allocate nothing: a
+        predecessor's reservations may be written until then (docs/store.md §2)."""
+        return self.options.reservation_ttl_ms / 1000 if self._may_have_predecessor else 0.0
+
+    def reserve(self, client_id: str, config: ReplicaConfig | None = None, *,
+                node_id: str = "", want_bytes: int = 0,
+                release: Sequence[int] = ()) -> ReserveResult:
+        """Set space aside for `client_id`'s one-round-trip puts: reservations on up to
+        max(replica_num, RESERVE_SPREAD) distinct segments, in the order a put's replicas
+        would try them (the client spreads values over them as the strategy would), each of min(want_bytes or reservation_bytes, reservation_bytes, an
+        eighth of its segment). Ends the client's reservations in `release` first. No
+        eviction is done for it: NO_AVAILABLE_HANDLE when nothing fits."""
+        config = config or ReplicaConfig()
+        problem = self._check_config(config) or ("" if client_id else "no client id")
+        if problem:
+            return ReserveResult(ErrorCode.INVALID_PARAMS, message=problem)
+        ttl_ms = self.options.reservation_ttl_ms
+        want = min(want_bytes or self.options.reservation_bytes,
+                   self.options.reservation_bytes)
+        granted: list[Reservation] = []
+        with self._lock:
+            now = self._sweep_locked()
+            self._release_locked(client_id, release)
+            for segment in self._candidates_locked(config, node_id):
+                if len(granted) == max(config.replica_num, RESERVE_SPREAD):
+                    break
+                size = min(want, segment.allocator.capacity // 8) // ALIGNMENT * ALIGNMENT
+                offset = segment.allocator.allocate(size) if size > 0 else None
+                if offset is None:
+                    continue
+                held = _Reservation(next(self._reservation_ids), client_id, segment,
+                                    {offset: segment.allocator.block_size(offset)},
+                                    now + ttl_ms / 1000)
+                self._reservations[held.reservation_id] = held
+                segment.reservations.add(held.reservation_id)
+                self._at_locked(held.lease_until, "reservation", held)
+                self._counters["reservations_granted"] += 1
+                granted.append(Reservation(held.reservation_id, _Replica(
+                    0, segment, offset, held.pieces[offset]).describe(ReplicaState.INIT)))
+            # space freed by removals is handed out only once the release is durable
+            mark = self._mark_locked() if granted else None
+        if not granted:
+            return ReserveResult(ErrorCode.NO_AVAILABLE_HANDLE,
+                                 message="no mounted segment has room for a reservation")
+        return self._after_commit(ReserveResult(ErrorCode.OK, tuple(granted), ttl_ms), mark)
+
+    def release(self, client_id: str, reservation_ids: Sequence[int]) -> list[int]:
+        """End `client_id`'s reservations: what they still hold is free again. Per id OK,
+        OBJECT_NOT_FOUND (unknown or ended), or INVALID_PARAMS (another client's)."""
+        with self._lock:
+            self._sweep_locked()
+            return self._release_locked(client_id, reservation_ids)
+
+    def _release_locked(self, client_id: str, reservation_ids: Iterable[int]) -> list[int]:
+        codes: list[int] = []
+        for reservation_id in reservation_ids:
+            held = self._reservations.get(reservation_id)
+            if held is None:
+                codes.append(ErrorCode.OBJECT_NOT_FOUND)
+            elif held.client_id != client_id:
+                codes.append(ErrorCode.INVALID_PARAMS)
+            else:
+                self._end_reservation_locked(held)
+                codes.append(ErrorCode.OK)
+        return codes
+
+    def _end_reservation_locked(self, held: _Reservation) -> None:
+        del self._reservations[held.reservation_id]
+        held.segment.reservations.discard(held.reservation_id)
+        if self._owns_segment(held.segment):
+            for start in held.pieces:
+                held.segment.allocator.free(start)
+        held.pieces = {}
+        ended = self._ended_reservations
+        ended[held.reservation_id] = held.client_id
+        while len(ended) > _ENDED_KEPT:
+            ended.popitem(last=False)
+
+    def commit(self, client_id: str, items: Sequence[tuple[str, int, Sequence[ReservedRange]]],
+               config: ReplicaConfig | None = None, *, upsert: bool = False) -> list[int]:
+        """Make values the client wrote into its reservations visible, one code per
+        (key, size, [(reservation id, addr, length)] per replica). A range must lie in a
+        piece its reservation still holds; it becomes the object's own block. Durable
+        before it returns, as PutEnd."""
+        config = config or ReplicaConfig()
+        problem = self._check_config(config) or ("" if client_id else "no client id")
+        if problem:
+            log.debug("commit refused: %s", problem)
+            return [ErrorCode.INVALID_PARAMS for _ in items]
+        ttl = self.options.reservation_ttl_ms / 1000
+        codes: list[int] = []
+        committed: list[list[Any]] = []
+        with self._lock:
+            now = self._sweep_locked()
+            for key, size, ranges in items:
+                code, claims = self._check_commit_locked(client_id, key, size, ranges,
+                                                         upsert, now)
+                codes.append(code)
+                if code != ErrorCode.OK:
+                    continue
+                replicas = []
+                for held, piece, offset, length in claims:
+                    segment = held.segment
+                    segment.allocator.carve(piece, offset, length)
+                    whole = held.pieces.pop(piece)
+                    if offset > piece:
+                        held.pieces[piece] = offset - piece
+                    end = offset + segment.allocator.block_size(offset)
+                    if end < piece + whole:
+                        held.pieces[end] = piece + whole - end
+                    replicas.append(_Replica(next(self._replica_ids), segment, offset, size))
+                    held.lease_until = now + ttl
+                    self._at_locked(held.lease_until, "reservation", held)
+                committed.append(self._install_value_locked(key, size, replicas, config, now))
+                self._counters["commits"] += 1
+            mark = self._journal_locked({"t": "put", "o": committed}) if committed else None
+        return self._after_commit(codes, mark)
+
+    def _check_commit_locked(self, client_id: str, key: str, size: int,
+                             ranges: Sequence[ReservedRange], upsert: bool, now: float,
+                             ) -> tuple[int, list[tuple[_Reservation, int, int, int]]]:
+        """ErrorCode for one commit item, and its claims (reservation, piece, offset,
+        length) when OK; changes nothing."""
+        if not self._valid_key(key):
+            return ErrorCode.INVALID_KEY, []
+        if not isinstance(size, int) or not 0 < size <= MAX_U64 or not 0 < len(ranges) <= MAX_REPLICAS:
+            return ErrorCode.INVALID_PARAMS, []
+        claims: list[tuple[_Reservation, int, int, int]] = []
+        segments: set[int] = set()
+        for reservation_id, addr, length in ranges:
+            held = self._reservations.get(reservation_id)
+            if held is None:
+                ended = self._ended_reservations.get(reservation_id)
+                return (ErrorCode.LEASE_EXPIRED if ended == client_id
+                        else ErrorCode.OBJECT_NOT_FOUND), []
+            if held.client_id != client_id:
+                return ErrorCode.INVALID_PARAMS, []
+            if held.lease_until <= now:
+                return ErrorCode.LEASE_EXPIRED, []
+            offset = addr - held.segment.info.base
+            need = _align(max(length, 1), ALIGNMENT)
+            piece = held.piece_holding(offset, need)
+            if (length < size or offset % ALIGNMENT or piece is None
+                    or id(held.segment) in segments):
+                return ErrorCode.INVALID_PARAMS, []
+            segments.add(id(held.segment))
+            claims.append((held, piece, offset, length))
+        if key in self._puts_by_key or (key in self._objects and not upsert):
+            return ErrorCode.OBJECT_ALREADY_EXISTS, []
+        return ErrorCode.OK, claims
 
     def put_revoke(self, client_id: str, puts: Sequence[tuple[str, int]]) -> list[int]:
         """Abandon each (key, put_id): its space is freed; a committed value is untouched."""
@@ -880,6 +1100,9 @@ class ObjectStore:
             return {
                 "keys": float(len(self._objects)),
                 "puts_in_progress": float(len(self._puts)),
+                "reservations": float(len(self._reservations)),
+                "reserved_bytes": float(sum(sum(r.pieces.values())
+                                            for r in self._reservations.values())),
                 "segments": float(len(live)),
                 "segments_awaiting_remount": float(len(self._segments) - len(live)),
                 "clients": float(len(self._clients)),
@@ -1045,7 +1268,10 @@ class ObjectStore:
 
     def _owns(self, replica: _Replica) -> bool:
         """The replica's segment is still the mounted one (its allocator still counts)."""
-        return self._segments.get(replica.segment.ident) is replica.segment
+        return self._owns_segment(replica.segment)
+
+    def _owns_segment(self, segment: _Segment) -> bool:
+        return self._segments.get(segment.ident) is segment
 
     def _free_replica_locked(self, replica: _Replica, until: float, now: float) -> None:
         if not self._owns(replica):
@@ -1098,6 +1324,8 @@ class ObjectStore:
             put.replicas = [r for r in put.replicas if r.segment is not segment]
             if not put.replicas:
                 self._forget_put_locked(put)
+        for reservation_id in list(segment.reservations):
+            self._end_reservation_locked(self._reservations[reservation_id])
         del self._segments[segment.ident]
         log.info("segment %s/%s of client %s %s: %d objects dropped", segment.info.engine,
                  segment.info.segment_id, segment.client_id, why, dropped)
@@ -1123,6 +1351,11 @@ class ObjectStore:
             elif kind == "free":
                 if self._owns(subject):
                     subject.segment.allocator.free(subject.offset)
+            elif kind == "reservation":
+                if (self._reservations.get(subject.reservation_id) is subject
+                        and subject.lease_until <= now):
+                    self._counters["reservations_expired"] += 1
+                    self._end_reservation_locked(subject)
             elif kind == "put":
                 if self._puts.get(subject.put_id) is subject:
                     log.info("put of %r by client %s unfinished for %.0f s: released",
@@ -1211,6 +1444,7 @@ class ObjectStore:
         self._replica_ids = itertools.count(max_replica + 1)
         log.info("store recovered from %s: %d objects in %d segments awaiting remount",
                  backend.describe(), len(self._objects), len(self._segments))
+        self._may_have_predecessor = not loaded.empty
         if not loaded.empty:
             self.snapshot()  # start from one compact file; also drops a cut-off tail's file
 

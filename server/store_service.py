@@ -50,11 +50,15 @@ class StoreCalls:
     #: methods that may wait for the disk (an fsync) with a persistent store, or scan
     #: every key: never run on the event loop then
     MAY_BLOCK = frozenset({"MountSegment", "UnmountSegment", "PutStart", "PutEnd",
-                           "Remove", "RemoveByRegex", "RemoveAll", "ListKeys"})
+                           "Remove", "RemoveByRegex", "RemoveAll", "ListKeys", "Reserve",
+                           "Commit"})
+    #: ... which allocate space: they wait out the start fence (docs/store.md §2)
+    ALLOCATING = frozenset({"PutStart", "Reserve"})
     #: ... of which these always scan every key, persistent or not
     SCANS = frozenset({"RemoveByRegex", "RemoveAll", "ListKeys"})
 
     def __init__(self, store: ObjectStore) -> None:
+        self._fence_until = 0.0
         self.store = store
         #: the call endpoint's port, advertised in Heartbeat and MountSegment replies
         self.fast_port = 0
@@ -69,11 +73,35 @@ class StoreCalls:
             "ExistKey": self.exist_key, "GetSize": self.get_size, "Remove": self.remove,
             "RemoveByRegex": self.remove_by_regex, "RemoveAll": self.remove_all,
             "ListSegments": self.list_segments, "Stats": self.stats,
-            "ListKeys": self.list_keys}
+            "ListKeys": self.list_keys, "Reserve": self.reserve, "Commit": self.commit,
+            "Release": self.release}
+
+    @property
+    def store(self) -> ObjectStore:
+        return self._store
+
+    @store.setter
+    def store(self, store: ObjectStore) -> None:
+        """Serve `store` from now on. A store that may have had a predecessor allocates
+        nothing for its start fence from now: the predecessor's reservations may still
+        be written until then (docs/store.md §2)."""
+        self._store = store
+        self._fence_until = time.monotonic() + store.start_fence_s()
+
+    def fence_left(self) -> float:
+        """Seconds until allocations are safe on the store served (0: now)."""
+        return max(0.0, self._fence_until - time.monotonic())
+
+    def _wait_fence(self) -> None:
+        left = self.fence_left()
+        if left:
+            time.sleep(left)
 
     def blocks(self, method: str) -> bool:
-        """True when `method` may block (disk, or a scan of every key) on this store."""
-        return method in self.SCANS or (method in self.MAY_BLOCK and self.store.persistent)
+        """True when `method` may block (disk, a scan of every key, or the start fence)
+        on this store."""
+        return (method in self.SCANS or (method in self.MAY_BLOCK and self.store.persistent)
+                or (method in self.ALLOCATING and self.fence_left() > 0))
 
     def _tally(self, method: str, codes: Iterable[int]) -> None:
         keys = [(method, int(code)) for code in codes]
@@ -114,6 +142,7 @@ class StoreCalls:
             self._tally("PutStart", (ErrorCode.INVALID_PARAMS for _ in items))
             return store_pb2.PutStartReply(results=[
                 store_pb2.PutStartResult(code=ErrorCode.INVALID_PARAMS) for _ in items])
+        self._wait_fence()
         results = self.store.put_start(request.client_id, items, config,
                                        node_id=request.node_id, upsert=request.upsert)
         self._tally("PutStart", (r.code for r in results))
@@ -126,6 +155,42 @@ class StoreCalls:
         codes = self.store.put_end(request.client_id,
                                    [(p.key, p.put_id) for p in request.puts])
         self._tally("PutEnd", codes)
+        return store_pb2.CodesReply(codes=codes)
+
+    def reserve(self, request: store_pb2.ReserveRequest) -> store_pb2.ReserveReply:
+        try:
+            config = replica_config_from_pb(request.config)
+        except ParamInvalid as exc:
+            self._tally("Reserve", (ErrorCode.INVALID_PARAMS,))
+            return store_pb2.ReserveReply(code=ErrorCode.INVALID_PARAMS, message=str(exc))
+        self._wait_fence()
+        result = self.store.reserve(request.client_id, config, node_id=request.node_id,
+                                    want_bytes=request.bytes, release=list(request.release))
+        self._tally("Reserve", (result.code,))
+        return store_pb2.ReserveReply(
+            code=result.code, message=result.message, lease_ttl_ms=result.lease_ttl_ms,
+            reservations=[store_pb2.Reservation(reservation_id=r.reservation_id,
+                                                space=replica_to_pb(r.space))
+                          for r in result.reservations])
+
+    def commit(self, request: store_pb2.CommitRequest) -> store_pb2.CodesReply:
+        try:
+            config = replica_config_from_pb(request.config)
+        except ParamInvalid as exc:
+            log.debug("commit refused: %s", exc)
+            codes = [int(ErrorCode.INVALID_PARAMS)] * len(request.items)
+        else:
+            codes = self.store.commit(
+                request.client_id,
+                [(item.key, item.value_length,
+                  [(r.reservation_id, r.addr, r.length) for r in item.ranges])
+                 for item in request.items], config, upsert=request.upsert)
+        self._tally("Commit", codes)
+        return store_pb2.CodesReply(codes=codes)
+
+    def release(self, request: store_pb2.ReleaseRequest) -> store_pb2.CodesReply:
+        codes = self.store.release(request.client_id, list(request.reservation_ids))
+        self._tally("Release", codes)
         return store_pb2.CodesReply(codes=codes)
 
     def put_revoke(self, request: store_pb2.PutEndRequest) -> store_pb2.CodesReply:
@@ -227,6 +292,9 @@ class MasterServicer(store_pb2_grpc.MasterServicer):
     ListSegments = _rpc("ListSegments")
     Stats = _rpc("Stats")
     ListKeys = _rpc("ListKeys")
+    Reserve = _rpc("Reserve")
+    Commit = _rpc("Commit")
+    Release = _rpc("Release")
 
 
 class UpkeepFailures:

@@ -299,9 +299,13 @@ def test_values_move_byte_for_byte_over_the_call_endpoint(master: MasterProcess)
         assert store.get_into("v-1", sink.ctypes.data, MiB) == ErrorCode.OBJECT_NOT_FOUND
         master_client = store._master
         assert master_client is not None and master_client.fast_port is not None
-        # every one of those hot calls went over the endpoint, none over gRPC: PutStart and
-        # PutEnd per put, GetReplicas and GetSize per get, 2 batches, exist, remove, get_into
-        assert master_client.fast_calls == 2 * len(values) + 2 + 2 * len(values) + 4
+        space = store._space
+        assert space is not None and space.commits == len(values) - 1 + 2
+        # every one of those hot calls went over the endpoint, none over gRPC: the puts'
+        # Reserve and Commit calls (one round trip per put, docs/store.md), PutStart and
+        # PutEnd for the 3 MiB value (over a quarter of a reservation: two-phase),
+        # GetReplicas and GetSize per get, 2 batches, exist, remove, get_into
+        assert master_client.fast_calls == space.calls + 2 + 2 * len(values) + 4
     finally:
         store.close()
         holder.stop()

@@ -69,6 +69,7 @@ from hixl.store_client import (
     PutStartResult,
     Replica,
     ReplicaConfig,
+    ReservedSpace,
     SoftPinAction,
     StoreSegment,
 )
@@ -423,6 +424,7 @@ class MooncakeDistributedStore:
         self._engine: Engine | None = None
         self._own_engine = False
         self._master: MasterClient | None = None
+        self._space: ReservedSpace | None = None  # for puts in one round trip
         self._segment: StoreSegment | None = None
         self._segment_local = False           # the segment is memory of this process
         self._segment_shm: ShmSegment | None = None
@@ -609,6 +611,7 @@ class MooncakeDistributedStore:
                 self._start_memory(settings, agent)
                 self._master = MasterClient(settings.master, timeout=self._master_timeout,
                                             node_id=self._node_id)
+                self._space = ReservedSpace(self._master)
                 self._first_mount(settings.master, deadline, setup_timeout)
             except BaseException:
                 self._teardown(unmount=False)
@@ -787,6 +790,8 @@ class MooncakeDistributedStore:
             except MasterRpcError as exc:
                 log.warning("close: unmount of %s/%d failed (%s); the master drops it when "
                             "this client's ttl ends", segment.engine, segment.segment_id, exc)
+        if self._space is not None:
+            self._space.close()
         if master is not None:
             master.close()
         if self._pool is not None:
@@ -805,7 +810,7 @@ class MooncakeDistributedStore:
                 if self._segment_shm is not None:
                     with contextlib.suppress(HixlError):
                         engine.free(self._segment_shm)
-        self._engine = self._master = self._segment = None
+        self._engine = self._master = self._segment = self._space = None
         self._buffers = AddressTable()
 
     def __enter__(self) -> MooncakeDistributedStore:
@@ -979,6 +984,8 @@ class MooncakeDistributedStore:
                 log.warning("%s: %r has an empty value; nothing stored (as Mooncake)",
                             what, item.key)
         pending = [item for item in pending if item.size]
+        if pending and self._space is not None:
+            pending = self._put_reserved(what, pending, config, upsert, codes, reasons)
         for attempt in (0, 1):
             if not pending:
                 break
@@ -1020,6 +1027,51 @@ class MooncakeDistributedStore:
             pending = retry
         self._report(what, keys, codes, reasons)
         return [int(c) for c in codes]
+
+    def _put_reserved(self, what: str, items: list[_Item], config: ReplicateConfig,
+                      upsert: bool, codes: list[int], reasons: dict[int, str]) -> list[_Item]:
+        """Put what fits this client's reservations in one master round trip (write, then
+        Commit: docs/store.md §2); returns the items left for the two-phase put."""
+        space = self._space
+        assert space is not None
+        master_config = self._master_config(config, False)
+        placed = space.place(master_config, [item.size for item in items])
+        rest = [item for item, placement in zip(items, placed, strict=True) if placement is None]
+        jobs = [(item, placement) for item, placement in zip(items, placed, strict=True)
+                if placement is not None]
+        # checked right before writing: a reservation past its lease is never written
+        stale = [(item, p) for item, p in jobs if not space.fresh(p)]
+        if stale:
+            space.abandon([p for _, p in stale])
+            rest += [item for item, _ in stale]
+            jobs = [(item, p) for item, p in jobs if space.fresh(p)]
+        failed = self._write([(item, PutStartResult(OK, 0, p.replicas)) for item, p in jobs])
+        if failed:
+            space.abandon([p for item, p in jobs if item.index in failed])
+            rest += [item for item, _ in jobs if item.index in failed]
+            for target in {where for where, _ in failed.values()}:
+                self._suspect(target)
+            jobs = [(item, p) for item, p in jobs if item.index not in failed]
+        if not jobs:
+            return rest
+        try:
+            results = space.commit([(item.key, item.size, p) for item, p in jobs],
+                                   master_config, upsert=upsert)
+        except MasterRpcError as exc:  # it may have been applied: not retried
+            for item, _ in jobs:
+                codes[item.index], reasons[item.index] = ErrorCode.RPC_FAIL, str(exc)
+            return rest
+        for (item, _), code in zip(jobs, results, strict=True):
+            if code in (ErrorCode.OBJECT_NOT_FOUND, ErrorCode.LEASE_EXPIRED):
+                rest.append(item)  # the master no longer knows the reservation: put anew
+            elif code == ErrorCode.OBJECT_ALREADY_EXISTS and not upsert:
+                log.debug("%s: %r is already stored; kept (upsert replaces)", what, item.key)
+                codes[item.index] = OK
+            else:
+                codes[item.index] = code
+                if code != OK:
+                    reasons[item.index] = f"commit: {code_name(code)}"
+        return rest
 
     def _finish(self, jobs: list[tuple[_Item, PutStartResult]],
                 failed: dict[int, tuple[str, str]],

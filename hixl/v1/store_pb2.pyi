@@ -364,3 +364,77 @@ class ListKeysReply(_message.Message):
     total: int
     truncated: bool
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[KeyInfo, _Mapping]]] = ..., total: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("client_id", "node_id", "config", "bytes", "release")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    node_id: str
+    config: ReplicaConfig
+    bytes: int
+    release: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., node_id: _Optional[str] = ..., config: _Optional[_Union[ReplicaConfig, _Mapping]] = ..., bytes: _Optional[int] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("reservation_id", "space")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPACE_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    space: Replica
+    def __init__(self, reservation_id: _Optional[int] = ..., space: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("code", "message", "reservations", "lease_ttl_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
+    lease_ttl_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReservedRange(_message.Message):
+    __slots__ = ("reservation_id", "addr", "length")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    addr: int
+    length: int
+    def __init__(self, reservation_id: _Optional[int] = ..., addr: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class CommitItem(_message.Message):
+    __slots__ = ("key", "value_length", "ranges")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value_length: int
+    ranges: _containers.RepeatedCompositeFieldContainer[ReservedRange]
+    def __init__(self, key: _Optional[str] = ..., value_length: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ReservedRange, _Mapping]]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("client_id", "config", "upsert", "items")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    UPSERT_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    config: ReplicaConfig
+    upsert: bool
+    items: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    def __init__(self, client_id: _Optional[str] = ..., config: _Optional[_Union[ReplicaConfig, _Mapping]] = ..., upsert: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("client_id", "reservation_ids")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    reservation_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_id: _Optional[str] = ..., reservation_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -109,6 +109,21 @@ class MasterStub:
                 request_serializer=hixl_dot_v1_dot_store__pb2.ListKeysRequest.SerializeToString,
                 response_deserializer=hixl_dot_v1_dot_store__pb2.ListKeysReply.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/hixl.v1.Master/Reserve',
+                request_serializer=hixl_dot_v1_dot_store__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=hixl_dot_v1_dot_store__pb2.ReserveReply.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/hixl.v1.Master/Commit',
+                request_serializer=hixl_dot_v1_dot_store__pb2.CommitRequest.SerializeToString,
+                response_deserializer=hixl_dot_v1_dot_store__pb2.CodesReply.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/hixl.v1.Master/Release',
+                request_serializer=hixl_dot_v1_dot_store__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=hixl_dot_v1_dot_store__pb2.CodesReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -207,6 +222,27 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """space for one-trip puts
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """a put in one call
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """end reservations
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +320,21 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ListKeys,
                     request_deserializer=hixl_dot_v1_dot_store__pb2.ListKeysRequest.FromString,
                     response_serializer=hixl_dot_v1_dot_store__pb2.ListKeysReply.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=hixl_dot_v1_dot_store__pb2.ReserveRequest.FromString,
+                    response_serializer=hixl_dot_v1_dot_store__pb2.ReserveReply.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=hixl_dot_v1_dot_store__pb2.CommitRequest.FromString,
+                    response_serializer=hixl_dot_v1_dot_store__pb2.CodesReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=hixl_dot_v1_dot_store__pb2.ReleaseRequest.FromString,
+                    response_serializer=hixl_dot_v1_dot_store__pb2.CodesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -691,6 +742,87 @@ class Master:
             '/hixl.v1.Master/ListKeys',
             hixl_dot_v1_dot_store__pb2.ListKeysRequest.SerializeToString,
             hixl_dot_v1_dot_store__pb2.ListKeysReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hixl.v1.Master/Reserve',
+            hixl_dot_v1_dot_store__pb2.ReserveRequest.SerializeToString,
+            hixl_dot_v1_dot_store__pb2.ReserveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hixl.v1.Master/Commit',
+            hixl_dot_v1_dot_store__pb2.CommitRequest.SerializeToString,
+            hixl_dot_v1_dot_store__pb2.CodesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hixl.v1.Master/Release',
+            hixl_dot_v1_dot_store__pb2.ReleaseRequest.SerializeToString,
+            hixl_dot_v1_dot_store__pb2.CodesReply.FromString,
             options,
             channel_credentials,
             insecure,
