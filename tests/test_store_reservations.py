@@ -1,0 +1,289 @@
+"""Puts in one master round trip (docs/store.md §2), against real hixl-master processes.
+
+Each failure case of the design has a test here: claims the master must refuse (no
+reservation, another client's, forged or unaligned ranges, overlapping ones, an ended
+lease), two clients racing on a key, a master killed with reservations outstanding, and
+a client killed with -9 after reserving, after writing and after committing. Nothing
+asserts how long anything took: waits are for conditions, under a deadline that only
+guards against a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pytest
+
+from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.registry_bench import MasterProcess
+from hixl.client.store_bench import HolderProcess
+from hixl.server.store import ObjectStore
+from hixl.server.store_service import StoreCalls
+from hixl.store_client import MasterClient, StoreSegment
+from hixl.store_codes import ErrorCode
+
+MiB = 1 << 20
+GIVE_UP_S = 30.0   # only a guard against a hang
+OK = ErrorCode.OK
+
+_T = TypeVar("_T")
+
+
+def eventually(call: Callable[[], _T], done: Callable[[_T], bool], what: str) -> _T:
+    deadline = time.monotonic() + GIVE_UP_S
+    while True:
+        result = call()
+        if done(result):
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: still {result!r}")
+        time.sleep(0.05)
+
+
+def seg(engine: str = "a", length: int = 64 * MiB) -> StoreSegment:
+    return StoreSegment(engine, 1, 1, 0x10_0000, length, "node-a")
+
+
+def pattern(seed: int, size: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MasterProcess]:
+    with MasterProcess(extra=["--data-dir", str(tmp_path / "data")]) as process:
+        yield process
+
+
+def client(master: MasterProcess, name: str) -> MasterClient:
+    return MasterClient(master.target, timeout=GIVE_UP_S, client_id=name)
+
+
+# ---------------------------------------------------------------- the master's checks
+
+
+def test_commit_claims_are_checked_and_refusals_leave_nothing(master: MasterProcess) -> None:
+    with client(master, "owner") as owner, client(master, "writer") as writer, \
+            client(master, "other") as other:
+        assert owner.mount_segment(seg()).code == OK
+        got = writer.reserve()
+        assert got.code == OK and got.lease_ttl_ms > 0
+        [held] = got.reservations                       # one segment mounted
+        rid, base, length = held.reservation_id, held.space.addr, held.space.length
+        assert held.space.engine == "a" and length > 0
+        refused = {
+            "no-reservation": (rid + 1000, base, 128),
+            "forged-before": (rid, base - 64, 128),
+            "forged-after": (rid, base + length, 128),
+            "unaligned": (rid, base + 8, 128),
+            "too-short": (rid, base, 64),
+        }
+        codes = writer.batch_commit([(key, 100, [claim]) for key, claim in refused.items()])
+        assert codes == [ErrorCode.OBJECT_NOT_FOUND] + [ErrorCode.INVALID_PARAMS] * 4
+        assert other.batch_commit([("others", 100, [(rid, base, 128)])]) == [
+            ErrorCode.INVALID_PARAMS]                    # not its reservation
+        assert writer.batch_commit([("k", 100, [(rid, base, 128)])]) == [OK]
+        assert writer.batch_commit([("overlap", 100, [(rid, base + 64, 128)]),
+                                    ("again", 100, [(rid, base, 128)])]) == [
+            ErrorCode.INVALID_PARAMS, ErrorCode.INVALID_PARAMS]
+        assert writer.batch_exist_key([*refused, "others", "overlap", "again"]) == [
+            ErrorCode.OBJECT_NOT_FOUND] * (len(refused) + 3)
+        found = writer.get_replicas("k")
+        assert (found.code, found.size, [r.addr for r in found.replicas]) == (OK, 100, [base])
+        # no space leaked: once the reservation ends, k's block is all that is used
+        assert writer.release([rid]) == [OK]
+        assert writer.release([rid]) == [ErrorCode.OBJECT_NOT_FOUND]
+        stats = writer.stats()
+        assert (stats["used"], stats["reservations"], stats["keys"]) == (128, 0, 1)
+
+
+def test_a_reservation_used_after_its_lease_is_refused(master: MasterProcess) -> None:
+    with client(master, "owner") as owner, client(master, "writer") as writer:
+        assert owner.mount_segment(seg()).code == OK
+        [held] = writer.reserve().reservations
+        eventually(writer.stats, lambda s: s["reservations"] == 0, "lease end")
+        assert writer.batch_commit([("late", 10, [(held.reservation_id, held.space.addr,
+                                                   64)])]) == [ErrorCode.LEASE_EXPIRED]
+        assert writer.exist_key("late") == ErrorCode.OBJECT_NOT_FOUND
+        assert writer.stats()["used"] == 0
+
+
+@pytest.mark.parametrize("upsert", [False, True])
+def test_two_clients_race_on_one_key(master: MasterProcess, upsert: bool) -> None:
+    with client(master, "owner") as owner, client(master, "c1") as c1, \
+            client(master, "c2") as c2:
+        assert owner.mount_segment(seg()).code == OK
+        claims = {}
+        for writer in (c1, c2):
+            [held] = writer.reserve().reservations
+            claims[writer.client_id] = (held.reservation_id, held.space.addr, 4096)
+        start = threading.Barrier(2)
+        codes: dict[str, int] = {}
+
+        def commit(writer: MasterClient) -> None:
+            start.wait(GIVE_UP_S)
+            [codes[writer.client_id]] = writer.batch_commit(
+                [("same", 4000, [claims[writer.client_id]])], upsert=upsert)
+
+        threads = [threading.Thread(target=commit, args=(w,)) for w in (c1, c2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(GIVE_UP_S)
+        expected = [OK, OK] if upsert else [ErrorCode.OBJECT_ALREADY_EXISTS, OK]
+        assert sorted(codes.values()) == sorted(expected)
+        found = c1.get_replicas("same")
+        winners = {claims[name][1] for name, code in codes.items() if code == OK}
+        assert found.code == OK and found.replicas[0].addr in winners
+        assert c1.release([claims["c1"][0]]) == [OK] and c2.release([claims["c2"][0]]) == [OK]
+        assert c1.stats()["used"] == 4096                # one value's block, nothing else
+
+
+def test_master_restart_with_reservations_outstanding(tmp_path: Path) -> None:
+    data = ["--data-dir", str(tmp_path / "data")]
+    first = MasterProcess(extra=data)
+    owner, writer = client(first, "owner"), client(first, "writer")
+    try:
+        assert owner.mount_segment(seg()).code == OK
+        [held] = writer.reserve().reservations
+        rid, base = held.reservation_id, held.space.addr
+        assert writer.batch_commit([("kept", 1000, [(rid, base, 1024)])]) == [OK]
+        first.kill()                                      # SIGKILL, reservations outstanding
+        second = MasterProcess(first.port, extra=data)
+        try:
+            mounted = eventually(lambda: owner.mount_segment(seg()), lambda r: r.code == OK,
+                                 "remount")
+            assert mounted.objects == 1
+            # the restarted master knows no reservation: the claim is refused, not installed
+            assert writer.batch_commit([("lost", 1000, [(rid, base + 1024, 1024)])]) == [
+                ErrorCode.OBJECT_NOT_FOUND]
+            assert writer.exist_key("lost") == ErrorCode.OBJECT_NOT_FOUND
+            found = writer.get_replicas("kept")
+            assert (found.code, found.size, found.replicas[0].addr) == (OK, 1000, base)
+            again = writer.reserve()
+            assert again.code == OK and again.reservations[0].reservation_id != rid
+            assert writer.release([again.reservations[0].reservation_id]) == [OK]
+            assert writer.stats()["used"] == 1024         # the old reservation left no trace
+        finally:
+            second.close()
+    finally:
+        owner.close()
+        writer.close()
+        first.close()
+
+
+def test_a_store_that_may_have_had_a_predecessor_fences_allocation(tmp_path: Path) -> None:
+    """Reservations are not journaled: the first ttl after a (re)start allocates nothing."""
+    fresh = ObjectStore(data_dir=tmp_path / "d")
+    assert StoreCalls(fresh).fence_left() == 0           # a first start: nothing to fear
+    fresh.mount_segment("c", seg())
+    fresh.close()
+    reloaded = ObjectStore(data_dir=tmp_path / "d")
+    assert StoreCalls(reloaded).fence_left() > 0
+    assert StoreCalls(reloaded).blocks("PutStart") and StoreCalls(reloaded).blocks("Reserve")
+    reloaded.close()
+    assert StoreCalls(ObjectStore()).fence_left() > 0    # in memory: a restart is unknowable
+
+
+# ---------------------------------------------------------------- through the Mooncake store
+
+
+@pytest.fixture
+def holder(master: MasterProcess) -> Iterator[HolderProcess]:
+    holder = HolderProcess("hixl", master.target, "127.0.0.1", 64 * MiB)
+    yield holder
+    holder.stop()
+
+
+def pure_client(master: MasterProcess) -> MooncakeDistributedStore:
+    store = MooncakeDistributedStore(setup_timeout=GIVE_UP_S)
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 4 * MiB, "tcp", "",
+                       master.target) == 0, store.last_error
+    return store
+
+
+def test_a_put_is_one_master_round_trip(master: MasterProcess, holder: HolderProcess) -> None:
+    store = pure_client(master)
+    try:
+        master_client, space = store._master, store._space
+        assert master_client is not None and space is not None
+        assert store.put("warm", b"w" * 100) == 0         # its first reservation
+        values = {f"v{i}": pattern(i, size) for i, size in enumerate(
+            [1, 63, 64, 65, 4095, 64 << 10, 1 << 20])}
+        for key, value in values.items():
+            before = master_client.fast_calls
+            assert store.put(key, value) == 0
+            assert master_client.fast_calls - before == 1, key   # one Commit, nothing else
+        before = master_client.fast_calls
+        batch = {f"b{i}": pattern(100 + i, 10_000 + i) for i in range(8)}
+        assert store.put_batch(list(batch), list(batch.values())) == 0
+        assert master_client.fast_calls - before == 1
+        for key, value in {**values, **batch}.items():
+            assert store.get(key) == value, key
+        assert store.put("v1", b"other") == 0             # exists: kept, as Mooncake
+        assert store.get("v1") == values["v1"]
+        assert store.upsert("v1", b"replaced") == 0
+        assert store.get("v1") == b"replaced"
+        assert store.remove("v1", force=True) == 0
+        assert store.get("v1") == b"" and store.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+    finally:
+        store.close()
+    with client(master, "check") as check:                # close released the reservations
+        assert eventually(check.stats, lambda s: s["reservations"] == 0, "release")
+
+
+#: a client killed -9 after each step of a put; prints STEP once it is done with it
+_CHILD = r"""
+import sys, time
+from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig
+from hixl.store_client import PutStartResult
+master, key, step, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+value = bytes((i * 7 + 3) % 251 for i in range(size))
+store = MooncakeDistributedStore(setup_timeout=30)
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 4 << 20, "tcp", "", master) == 0
+if step == "committed":
+    assert store.put(key, value) == 0
+else:
+    config = store._master_config(ReplicateConfig(), False)
+    [placement] = store._space.place(config, [size])
+    assert placement is not None
+    if step == "written":
+        item = store._bytes_item(0, key, value)
+        assert not store._write([(item, PutStartResult(0, 0, placement.replicas))])
+print(step, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("step", ["reserved", "written", "committed"])
+def test_kill_9_of_the_client_at_every_step(master: MasterProcess, holder: HolderProcess,
+                                            step: str) -> None:
+    size = 50_000
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, master.target, "k", step,
+                              str(size)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == step
+    finally:
+        child.kill()
+        child.wait(GIVE_UP_S)
+    store = pure_client(master)
+    try:
+        got = store.get("k")
+        if step == "committed":                           # whole and readable
+            assert got == bytes((i * 7 + 3) % 251 for i in range(size))
+        else:                                             # absent
+            assert got == b"" and store.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+    finally:
+        store.close()
+    with client(master, "check") as check:                # the dead client's space comes back
+        stats = eventually(check.stats, lambda s: s["reservations"] == 0, "lease end")
+        assert stats["used"] == (50_048 if step == "committed" else 0)
