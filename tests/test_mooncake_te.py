@@ -390,9 +390,9 @@ def test_initialize_refusals_and_calls_before_it(mc_env: None) -> None:
     assert engine.transfer_sync_write("127.0.0.1:1", 0, 0, 1) == -1
     assert engine.allocate_managed_buffer(64) == 0
     assert engine.get_notifies() == []
-    assert engine.initialize("127.0.0.1", "http://127.0.0.1:8080/metadata", "tcp", "") == -1
+    assert engine.initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") == -1
     assert "P2PHANDSHAKE" in engine.get_last_error()
-    assert engine.initialize("127.0.0.1", "10.0.0.1:2379", "tcp", "") == -1  # etcd
+    assert "http://host:port/metadata" in engine.get_last_error()
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
     assert "protocol" in engine.get_last_error()
     assert engine.initialize("", "P2PHANDSHAKE", "tcp", "") == -1

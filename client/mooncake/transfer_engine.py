@@ -14,6 +14,11 @@ How Mooncake's model maps onto hixl:
   embedded agent listening on that port; a hostname without a port picks a free port in
   [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT] (15000-17000). `hixl://host:port` as the metadata
   server uses an hixl registry (hixl-master or any agent) instead of peer handshakes.
+- with a Mooncake metadata server (`http://host:port/metadata`, `etcd://host:port`; see
+  metadata.py) a segment keeps the name it was given ("10.0.0.5" or "10.0.0.5:17001"):
+  the engine publishes Mooncake's rpc_meta and ram records under it, and peers resolve a
+  name to the engine's "ip:port" there before connecting (a name another live engine
+  holds is refused; a dead one's record is taken over).
 - protocol "tcp" and "rdma" both move bytes over hixl's own paths: mapped shared memory
   for shareable segments on the same node, a unix socket or TCP otherwise.
 - targets are connected lazily on first use (Mooncake's openSegment) and cached; a
@@ -53,6 +58,17 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hixl.client.engine import Engine, MemHandle, TransferRequest, parse_engine_name
+from hixl.client.mooncake.metadata import (
+    P2P_HANDSHAKE,
+    RAM,
+    RPC_META,
+    Directory,
+    address_of,
+    answers,
+    parse_metadata_server,
+    ram_segment,
+    rpc_meta,
+)
 from hixl.errors import (
     ConfigError,
     HixlError,
@@ -80,8 +96,6 @@ ERR_SOCKET = -102
 # transfer_check_status results
 STATUS_DONE, STATUS_IN_PROGRESS, STATUS_FAILED, STATUS_TIMEOUT = 1, 0, -1, -2
 
-P2P_HANDSHAKE = "P2PHANDSHAKE"
-REGISTRY_SCHEME = "hixl://"
 PROTOCOLS = ("tcp", "rdma")
 MIN_RPC_PORT_ENV, MAX_RPC_PORT_ENV = "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"
 DEFAULT_RPC_PORTS = (15000, 17000)
@@ -123,7 +137,8 @@ class MooncakeError(HixlError):
 
 @dataclass
 class _Batch:
-    target: str
+    target: str   # the segment name
+    address: str  # the engine serving it
     request: TransferRequest | None  # None: nothing to move (every length was 0)
 
 
@@ -226,6 +241,12 @@ class TransferEngine:
         self._batches: dict[int, _Batch] = {}
         self._batch_ids = itertools.count(1)
         self._rpc_port = -1
+        #: with a Mooncake metadata server: where segments are published, this engine's
+        #: segment name there, and names already resolved to "ip:port"
+        self._directory: Directory | None = None
+        self._segment_name = ""
+        self._claimed = False  # this engine's records are on the metadata server
+        self._resolved: dict[str, str] = {}
         self._transfer_timeout = DEFAULT_TRANSFER_TIMEOUT_S
         self._handshake_timeout = DEFAULT_HANDSHAKE_TIMEOUT_S
         #: why the last call failed (hixl's typed error text), and the int it returned
@@ -284,7 +305,8 @@ class TransferEngine:
             log.info("protocol 'rdma': hixl moves bytes over its own paths (mapped shared "
                      "memory on the same node, TCP across nodes); device %r is not used",
                      device_name)
-        registry = _registry_of(metadata_server)
+        server = parse_metadata_server(metadata_server)
+        registry = server.registry
         self._transfer_timeout = _env_number(TRANSFER_TIMEOUT_ENV, DEFAULT_TRANSFER_TIMEOUT_S)
         self._handshake_timeout = _env_number(HANDSHAKE_TIMEOUT_ENV, DEFAULT_HANDSHAKE_TIMEOUT_S)
         host, port = parse_engine_name(local_hostname)
@@ -294,17 +316,91 @@ class TransferEngine:
         else:
             engine, port = _start_in_rpc_range(host, options, registry)
         self._engine, self._rpc_port = engine, port
-        log.info("Mooncake TE adapter serving segment %s (metadata %s)", engine.name,
-                 f"registry {registry}" if registry else P2P_HANDSHAKE)
+        self._segment_name = engine.name
+        if server.is_directory:
+            try:
+                self._directory = server.open(self._handshake_timeout)
+                self._segment_name = local_hostname
+                self._claim(host, port)
+            except BaseException:
+                self.close()
+                raise
+        log.info("Mooncake TE adapter serving segment %s at %s (metadata %s)",
+                 self._segment_name, engine.name, f"registry {registry}" if registry
+                 else self._directory.describe() if self._directory else P2P_HANDSHAKE)
         return 0
 
+    # ------------------------------------------------------------ metadata server
+
+    def _claim(self, host: str, port: int) -> None:
+        """Publish this segment's name on the metadata server: refused while another
+        engine that still answers holds it; a dead engine's record is replaced."""
+        directory, name = self._directory, self._segment_name
+        assert directory is not None and self._engine is not None
+        key = RPC_META + name
+        held = directory.get(key)
+        if held is not None:
+            address = address_of(held, name, directory.describe())
+            if address != self._engine.name and answers(address, self._handshake_timeout):
+                raise ParamInvalid(
+                    f"segment name {name!r} is taken on {directory.describe()} by the "
+                    f"engine at {address}, which still answers: give this engine another "
+                    "local_hostname")
+            log.info("segment %s: taking over the record of %s (not answering)", name,
+                     address)
+            directory.delete(key)
+        directory.put(key, rpc_meta(host, port))
+        self._claimed = True
+        self._publish_buffers()
+
+    def _publish_buffers(self) -> None:
+        """Mooncake's ram record of this segment: every registered or managed range."""
+        if self._directory is None:
+            return
+        with self._lock:
+            buffers = [(base, length) for base, length, _ in self._regions]
+        self._directory.put(RAM + self._segment_name,
+                            ram_segment(self._segment_name, self._rpc_port, buffers))
+
+    def _address(self, target: str) -> str:
+        """The hixl engine ("ip:port") serving segment `target`: itself without a
+        metadata server, else as its rpc_meta record says (cached until it fails)."""
+        directory = self._directory
+        if directory is None or not isinstance(target, str):
+            return target
+        if target == self._segment_name and self._engine is not None:
+            return self._engine.name
+        address = self._resolved.get(target)
+        if address is None:
+            record = directory.get(RPC_META + target)
+            if record is None:
+                raise PeerUnavailable(f"segment {target!r} is not published on "
+                                      f"{directory.describe()} (is its engine up, with the "
+                                      "same metadata server?)")
+            address = self._resolved[target] = address_of(record, target,
+                                                          directory.describe())
+        return address
+
     def close(self) -> None:
-        """Stop the engine: disconnect, deregister, stop its agent (idempotent)."""
+        """Stop the engine: withdraw its metadata records, disconnect, deregister, stop
+        its agent (idempotent)."""
         with self._lock:
             engine, self._engine = self._engine, None
+            directory, self._directory = self._directory, None
+            claimed, self._claimed = self._claimed, False
             self._batches.clear()
             self._regions = AddressTable()
             self._managed = None
+            self._resolved.clear()
+        if directory is not None and claimed:  # never another engine's records
+            for key in (RAM + self._segment_name, RPC_META + self._segment_name):
+                try:
+                    directory.delete(key)
+                except HixlError as exc:
+                    log.warning("close: could not withdraw %s from %s: %s", key,
+                                directory.describe(), exc)
+        if directory is not None:
+            directory.close()
         if engine is not None:
             engine.close()
 
@@ -344,6 +440,7 @@ class TransferEngine:
                 raise
             self._regions.remove(addr)
             self._regions.insert(addr, length, handle)
+        self._publish_buffers()
         return 0
 
     def unregister_memory(self, buffer_addr: int) -> int:
@@ -360,6 +457,7 @@ class TransferEngine:
                                     f"no buffer registered at {addr:#x} (already unregistered?)")
             engine.deregister(handle)
             self._regions.remove(addr)
+        self._publish_buffers()
         return 0
 
     def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
@@ -439,10 +537,11 @@ class TransferEngine:
         """Base of the first buffer `segment_name` registered (0 if none or unreachable)."""
         def first() -> int:
             engine = self._require()
-            if segment_name == engine.name:
+            if segment_name in (engine.name, self._segment_name):
                 segments = engine.agent.segments() if engine.agent is not None else []
             else:
-                segments = self._with_target(segment_name, lambda e, _t: e.segments(segment_name))
+                segments = self._with_target(segment_name,
+                                             lambda e, address, _t: e.segments(address))
             buffers = [s for s in segments if not s.name.startswith(NOTIFY_PREFIX)]
             if not buffers:
                 raise ParamInvalid(f"{segment_name} has no registered buffer")
@@ -458,39 +557,45 @@ class TransferEngine:
         engine.ensure_connected(target, self._handshake_timeout)
         return engine
 
-    def _drop(self, target: str) -> None:
+    def _drop(self, target: str, address: str) -> None:
+        """Forget segment `target`'s connection (to `address`) and where it was."""
+        self._resolved.pop(target, None)
         engine = self._engine
         if engine is not None:
             with contextlib.suppress(HixlError):
-                engine.disconnect(target)
+                engine.disconnect(address)
 
-    def _with_target(self, target: str, action: Callable[[Engine, float], T]) -> T:
-        """action(engine, timeout) on a connected target. Anything but bad input drops the
-        connection; a cached one found dead or stale is reopened once, within the deadline."""
+    def _with_target(self, target: str, action: Callable[[Engine, str, float], T]) -> T:
+        """action(engine, address, timeout) on the connected engine serving segment
+        `target` (`_address`). Anything but bad input drops the connection (and the
+        resolved address); a cached one found dead or stale is reopened once, its name
+        resolved again, within the deadline."""
         deadline = time.monotonic() + self._transfer_timeout
-        cached = self._engine is not None and self._engine.is_connected(target)
+        address = self._address(target)
+        cached = self._engine is not None and self._engine.is_connected(address)
         try:
-            return action(self._connect(target), self._transfer_timeout)
+            return action(self._connect(address), address, self._transfer_timeout)
         except ParamInvalid:
             raise
         except (PeerUnavailable, StaleEpoch, NotConnected) as exc:
-            self._drop(target)
+            self._drop(target, address)
             if not cached or self._engine is None:
                 raise
             first = exc
             log.info("%s: cached connection failed (%s); reconnecting", target, exc)
         except HixlError:
-            self._drop(target)
+            self._drop(target, address)
             raise
         left = deadline - time.monotonic()
         try:
             if left <= 0:
                 raise TransferTimeout(f"{target}: no time left to reconnect")
-            return action(self._connect(target), left)
+            address = self._address(target)
+            return action(self._connect(address), address, left)
         except ParamInvalid:
             raise
         except HixlError as exc:
-            self._drop(target)
+            self._drop(target, address)
             exc.args = (f"{exc.args[0]} (reconnecting after: {first.args[0]})", *exc.args[1:])
             raise
 
@@ -498,7 +603,7 @@ class TransferEngine:
         """0 if the peer's agent answers (one control-plane round trip), else -102."""
         def probe() -> int:
             self._with_target(peer_server_name,
-                              lambda e, _t: e.segments(peer_server_name, refresh=True))
+                              lambda e, address, _t: e.segments(address, refresh=True))
             return 0
         return self._guard("send_probe", probe, code=ERR_SOCKET)
 
@@ -542,11 +647,11 @@ class TransferEngine:
             op = _op(opcode)
             descs = _descs(buffers, peer_buffer_addresses, lengths)
             if descs:
-                self._with_target(target_hostname, lambda e, timeout: e.transfer(
-                    target_hostname, op, descs, timeout))
+                self._with_target(target_hostname, lambda e, address, timeout: e.transfer(
+                    address, op, descs, timeout))
             if notify is not None:
-                self._with_target(target_hostname, lambda e, _t: self._send_notify(
-                    e, target_hostname, notify))
+                self._with_target(target_hostname, lambda e, address, _t: self._send_notify(
+                    e, address, notify))
             return 0
         return self._guard("batch_transfer_sync", run)
 
@@ -576,13 +681,16 @@ class TransferEngine:
         def submit() -> int:
             op = _op(opcode)
             descs = _descs(buffers, peer_buffer_addresses, lengths)
-            request = None
+            request, address = None, target_hostname
             if descs:
-                request = self._with_target(target_hostname, lambda e, timeout: e.transfer_async(
-                    target_hostname, op, descs, timeout))
+                def start(e: Engine, at: str, timeout: float) -> TransferRequest:
+                    nonlocal address
+                    address = at
+                    return e.transfer_async(at, op, descs, timeout)
+                request = self._with_target(target_hostname, start)
             with self._lock:
                 batch_id = next(self._batch_ids)
-                self._batches[batch_id] = _Batch(target_hostname, request)
+                self._batches[batch_id] = _Batch(target_hostname, address, request)
             return batch_id
         return self._guard("batch_transfer_async", submit, failure=0)
 
@@ -597,7 +705,7 @@ class TransferEngine:
     def _failed(self, batch: _Batch, error: HixlError | None) -> HixlError:
         error = error or HixlError(f"transfer to {batch.target} failed")
         if not isinstance(error, ParamInvalid):
-            self._drop(batch.target)
+            self._drop(batch.target, batch.address)
         return error
 
     def transfer_check_status(self, batch_id: int) -> int:
@@ -711,21 +819,6 @@ def _descs(buffers: Sequence[Any], peers: Sequence[Any], lengths: Sequence[Any])
     return [TransferOpDesc(_as_int(local, "buffer"), _as_int(remote, "peer_buffer_address"), n)
             for local, remote, length in zip(buffers, peers, lengths, strict=True)
             if (n := _as_int(length, "length"))]
-
-
-def _registry_of(metadata_server: str) -> str:
-    """"" for P2PHANDSHAKE, the registry address for hixl://host:port; else refused."""
-    if metadata_server == P2P_HANDSHAKE:
-        return ""
-    if isinstance(metadata_server, str) and metadata_server.startswith(REGISTRY_SCHEME):
-        address = metadata_server[len(REGISTRY_SCHEME):].rstrip("/")
-        _, port = parse_engine_name(address)
-        if port:
-            return address
-    raise ParamInvalid(
-        f"metadata server {metadata_server!r} is not supported: use {P2P_HANDSHAKE!r} (peers "
-        f"exchange metadata directly) or '{REGISTRY_SCHEME}host:port' (an hixl registry: "
-        "hixl-master or any agent); Mooncake's etcd, redis and http metadata stores are not spoken")
 
 
 def _engine_name(host: str, port: int) -> str:
