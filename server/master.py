@@ -176,6 +176,8 @@ class MasterConfig:
     call_body_timeout_s: float = BODY_TIMEOUT_S
     advertise_address: str = ""
     enable_metric_reporting: bool = False
+    metrics_host: str = ""
+    rpc_interface: str = ""
     enable_http_metadata_server: bool = False
     http_metadata_server_port: int = DEFAULT_HTTP_METADATA_PORT
     http_metadata_server_host: str = ""
@@ -352,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log a one-line summary of the store (keys, space, clients) "
                              f"every {METRIC_REPORT_INTERVAL_S} s (mooncake_master's "
                              "default is on; hixl's off)")
+    parser.add_argument("--metrics-host", *_mooncake("metrics_host"), dest="metrics_host",
+                        default="", metavar="HOST",
+                        help="address the HTTP side (--metrics-port) binds (default: --host, "
+                             "where mooncake_master's is 0.0.0.0)")
+    parser.add_argument("--rpc-interface", *_mooncake("rpc_interface"), dest="rpc_interface",
+                        default="", metavar="NAME",
+                        help="network interface whose IPv4 address is bound instead of "
+                             "--host (mooncake_master's --rpc_interface)")
     parser.add_argument("--enable-http-metadata-server",
                         *_mooncake("enable_http_metadata_server"),
                         dest="enable_http_metadata_server", action=BoolFlag, default=False,
@@ -524,6 +534,24 @@ def parse_config(argv: list[str], env: Mapping[str, str] | None = None) -> Maste
     """
     args = build_parser().parse_args(hixl_argv(argv)[0])
     return MasterConfig.load(args.config, given_flags(argv), env)
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` (mooncake_master's --rpc_interface);
+    ConfigError naming it and the interfaces there are when it has none."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), siocgifaddr,
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            names = ", ".join(n for _, n in socket.if_nameindex())
+            raise ConfigError(f"rpc_interface {name!r}: no IPv4 address on such an interface "
+                              f"(interfaces here: {names})") from None
+    return socket.inet_ntoa(packed[20:24])
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -706,6 +734,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     leads; it returns EXIT_DEPOSED once it lost it.
     """
     try:
+        if config.rpc_interface:  # its address is what every port binds
+            config = dataclasses.replace(config, host=interface_address(config.rpc_interface))
         tls = server_tls(config)
         etcd = etcd_settings(config.store)
         check_advertise_address(config)
@@ -861,7 +891,8 @@ def start_http(config: MasterConfig, registry: Registry, store: Callable[[], Obj
         if config.metrics_port:
             metrics = metrics_registry(registry, store, results, fast)
             add_mooncake_metrics(metrics, store)
-            admin = HttpServer(admin_routes(store, metrics, health), config.host,
+            admin = HttpServer(admin_routes(store, metrics, health),
+                               config.metrics_host or config.host,
                                config.metrics_port, "metrics_port (--metrics-port / --metrics_port)")
             started.append(admin)
             log.info("HTTP side (metrics, health, segments, keys) on %s", admin.url)

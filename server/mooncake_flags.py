@@ -151,8 +151,6 @@ UNUSED: dict[str, Unused] = {
               "hixl's eviction takes soft-pinned objects only after all others, always"),
     **_unused({"duration": ["max_kv_soft_pin_ttl"]},
               "a put's soft pin TTL is not capped"),
-    **_unused({"str": ["metrics_host", "rpc_interface"]},
-              "hixl-master binds every port on --rpc_address (--host)"),
     **_unused({"bool": ["logtostderr", "alsologtostderr", "colorlogtostderr"],
                "int": ["minloglevel", "stderrthreshold", "logbuflevel", "logbufsecs",
                        "max_log_size"],

@@ -12,10 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import waiting
+from etcd_cluster import start_cluster_or_skip
 from test_master_process import READY_PREFIX, START_DEADLINE_S, Master
 
+from hixl.errors import HixlError
 from hixl.server.master import MasterConfig, StoreConfig, etcd_settings, parse_config
 from hixl.server.mooncake_flags import UNUSED
+from hixl.store_client import MasterClient
 
 #: one setting in every spelling gflags (and argparse) takes
 SPELLINGS = [
@@ -92,9 +96,11 @@ def test_a_launch_scripts_command_line_is_recorded_in_the_config() -> None:
         "--eviction_ratio=0.1", "--eviction_high_watermark_ratio=0.9", "--client_ttl=30",
         "--allocation_strategy=free_ratio_first", "--enable_http_metadata_server=true",
         "--http_metadata_server_port=8081", "--http_metadata_server_host=10.0.0.6",
-        "--cluster_id=prod", "--enable_offload=false", "-v=1"], env={})
+        "--cluster_id=prod", "--enable_offload=false", "-v=1", "--metrics_host=10.0.0.7",
+        "--rpc_interface=eth1"], env={})
     assert config == MasterConfig(
         host="10.0.0.5", port=50061, metrics_port=9003, enable_metric_reporting=True,
+        metrics_host="10.0.0.7", rpc_interface="eth1",
         log_level="DEBUG", enable_http_metadata_server=True, http_metadata_server_port=8081,
         http_metadata_server_host="10.0.0.6",
         store=StoreConfig(default_kv_lease_ttl_ms=10_000,
@@ -201,3 +207,62 @@ def test_mooncake_launch_line_serves_and_warns_once_per_unused_flag() -> None:
                  "rpc_enable_tcp_no_delay", "logtostderr"):
         assert stderr.count(f"--{flag}: accepted, not used") == 1, stderr
     assert stderr.count("accepted, not used") == 5, stderr  # the honoured ones are not
+
+
+def _stderr_of(process: Master) -> str:
+    return "".join(line for line in list(process.stderr) if line)
+
+
+def test_rpc_interface_binds_its_address_and_a_missing_one_is_refused() -> None:
+    process = Master("--rpc_interface=lo", "--rpc_port=0", "--no-persist")
+    try:
+        assert process.wait_ready().startswith("127.0.0.1:")
+        assert process.stop() == 0
+    finally:
+        process.kill()
+    said = _refused("--rpc_interface=no-such-if0", "--rpc_port=0", "--no-persist")
+    assert "rpc_interface 'no-such-if0': no IPv4 address on such an interface" in said
+    assert "lo" in said
+
+
+def test_metric_reporting_logs_a_summary() -> None:
+    process = Master("--rpc_port=0", "--no-persist", "--enable_metric_reporting")
+    try:
+        process.wait_ready()
+        waiting.wait_until(lambda: "Master Metrics: Mem Storage:" in _stderr_of(process),
+                           "a metric report in the log", START_DEADLINE_S)
+    finally:
+        process.kill()
+
+
+def test_mooncake_ha_flags_run_a_leader_on_etcd() -> None:
+    from hixl.etcd import EtcdClient
+
+    cluster = start_cluster_or_skip(1)
+    try:
+        endpoint = cluster.endpoints[0]
+        process = Master("--rpc_address=127.0.0.1", "--rpc_port=0", "--enable_ha=true",
+                         "--ha_backend_type=etcd", f"--etcd_endpoints={endpoint};",
+                         "--cluster_id=flags-test")
+        try:
+            target = process.wait_ready()
+            with EtcdClient({"endpoints": endpoint, "prefix": "/hixl/flags-test/"}) as etcd:
+                waiting.wait_until(lambda: etcd.get_prefix("").items,
+                                   "the leader's keys under /hixl/flags-test/",
+                                   START_DEADLINE_S)
+            with MasterClient(target, timeout=START_DEADLINE_S) as client:
+                waiting.wait_until(lambda: _answers(client), "the elected leader serving",
+                                   START_DEADLINE_S)
+            assert process.stop() == 0
+        finally:
+            process.kill()
+    finally:
+        cluster.close()
+
+
+def _answers(client: MasterClient) -> bool:
+    try:
+        client.heartbeat()
+    except HixlError:
+        return False
+    return True
