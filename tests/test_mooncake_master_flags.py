@@ -236,27 +236,53 @@ def test_metric_reporting_logs_a_summary() -> None:
 
 
 def test_mooncake_ha_flags_run_a_leader_on_etcd() -> None:
+    """Two masters started with mooncake_master's HA flags: one leads (its keys under
+    /hixl/<cluster_id>/, serving, /health ready), the other stands by (/health 503,
+    naming the leader)."""
+    from test_mooncake_master_http import free_port, http
+
     from hixl.etcd import EtcdClient
 
     cluster = start_cluster_or_skip(1)
+    endpoint = cluster.endpoints[0]
+    ports = [free_port(), free_port()]
+    masters = [Master("--rpc_address=127.0.0.1", "--rpc_port=0", "--enable_ha=true",
+                      "--ha_backend_type=etcd", f"--etcd_endpoints={endpoint};",
+                      "--cluster_id=flags-test", f"--metrics_port={port}")
+               for port in ports]
     try:
-        endpoint = cluster.endpoints[0]
-        process = Master("--rpc_address=127.0.0.1", "--rpc_port=0", "--enable_ha=true",
-                         "--ha_backend_type=etcd", f"--etcd_endpoints={endpoint};",
-                         "--cluster_id=flags-test")
-        try:
-            target = process.wait_ready()
-            with EtcdClient({"endpoints": endpoint, "prefix": "/hixl/flags-test/"}) as etcd:
-                waiting.wait_until(lambda: etcd.get_prefix("").items,
-                                   "the leader's keys under /hixl/flags-test/",
-                                   START_DEADLINE_S)
-            with MasterClient(target, timeout=START_DEADLINE_S) as client:
-                waiting.wait_until(lambda: _answers(client), "the elected leader serving",
-                                   START_DEADLINE_S)
-            assert process.stop() == 0
-        finally:
-            process.kill()
+        targets = [master.wait_ready() for master in masters]
+        with EtcdClient({"endpoints": endpoint, "prefix": "/hixl/flags-test/"}) as etcd:
+            waiting.wait_until(lambda: etcd.get_prefix("").items,
+                               "the masters' keys under /hixl/flags-test/", START_DEADLINE_S)
+
+        def health(port: int) -> tuple[int, dict[str, object]]:
+            status, _, body = http("GET", f"http://127.0.0.1:{port}/health")
+            return status, json.loads(body)
+
+        def roles() -> list[object]:
+            return sorted(health(port)[1]["role"] for port in ports)  # type: ignore[type-var]
+
+        waiting.wait_until(lambda: roles() == ["leader", "standby"], "one master elected",
+                           START_DEADLINE_S)
+        first = 0 if health(ports[0])[0] == 200 else 1
+        leader, standby = targets[first], ports[1 - first]
+        assert health(ports[first]) == (200, {"status": "ok", "role": "leader",
+                                              "ha_state": "serving", "service_ready": True,
+                                              "leader_address": leader,
+                                              "view_version": None})
+        waiting.wait_until(lambda: health(standby)[1]["leader_address"] == leader,
+                           "the standby naming the leader", START_DEADLINE_S)
+        status, seen = health(standby)
+        assert status == 503 and seen["ha_state"] == "standby"
+        assert seen["service_ready"] is False
+        with MasterClient(leader, timeout=START_DEADLINE_S) as client:
+            assert _answers(client)
+        for master in masters:
+            assert master.stop() == 0
     finally:
+        for master in masters:
+            master.kill()
         cluster.close()
 
 
