@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -89,8 +90,11 @@ class HttpServer:
     def __init__(self, routes: dict[tuple[str, str], Route], host: str, port: int,
                  key: str) -> None:
         handler = type("Handler", (_Handler,), {"routes": routes})
+        bare = host.strip("[]")
+        server = type("Server", (ThreadingHTTPServer,), {
+            "address_family": socket.AF_INET6 if ":" in bare else socket.AF_INET})
         try:
-            self._httpd = ThreadingHTTPServer((host.strip("[]"), port), handler)
+            self._httpd = server((bare, port), handler)
         except OSError as exc:
             raise ConfigError(f"{key}: cannot serve HTTP on {host}:{port}: "
                               f"{exc.strerror or exc}") from None
@@ -126,19 +130,18 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self) -> None:
         url = urlsplit(self.path)
         route = self.routes.get((self.command, url.path))
+        body = self._body()  # read even when refused: the connection stays in step
         reply = NOT_FOUND
-        if route is not None:
-            body = self._body()
-            if isinstance(body, Reply):
-                reply = body
-            else:
-                query = {name: values[0] for name, values in
-                         parse_qs(url.query, keep_blank_values=True).items()}
-                try:
-                    reply = route(Request(self.command, query, body))
-                except Exception:  # a page must answer, not drop the connection
-                    log.exception("HTTP %s %s failed", self.command, url.path)
-                    reply = _text(500, "internal error (see the master's log)")
+        if isinstance(body, Reply):
+            reply = body
+        elif route is not None:
+            query = {name: values[0] for name, values in
+                     parse_qs(url.query, keep_blank_values=True).items()}
+            try:
+                reply = route(Request(self.command, query, body))
+            except Exception:  # a page must answer, not drop the connection
+                log.exception("HTTP %s %s failed", self.command, url.path)
+                reply = _text(500, "internal error (see the master's log)")
         self.send_response(reply.status)
         if reply.content_type:
             self.send_header("Content-Type", reply.content_type)

@@ -229,3 +229,25 @@ def test_unspoken_metadata_servers_are_refused_naming_the_forms(server: Any) -> 
                  "etcd://host:port"):
         assert form in error
     assert engine.get_engine() is None
+
+
+@pytest.mark.parametrize("backend", ["http", "etcd"])
+def test_engines_starting_under_one_name_at_once_leave_one_holder(
+        backend: str, request: pytest.FixtureRequest) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = (request.getfixturevalue("hixl_master").metadata if backend == "http"
+           else request.getfixturevalue("etcd_url"))
+    engines = [TransferEngine() for _ in range(4)]
+    try:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            codes = list(pool.map(lambda e: e.initialize("127.0.0.3", url, "tcp", ""),
+                                  engines))
+        assert sorted(codes) == [-1, -1, -1, 0]
+        for engine, code in zip(engines, codes, strict=True):
+            if code != 0:
+                assert "segment name '127.0.0.3'" in engine.get_last_error()
+                assert "taken" in engine.get_last_error()
+    finally:
+        for engine in engines:
+            engine.close()

@@ -54,6 +54,10 @@ class Directory(Protocol):
 
     def put(self, key: str, value: bytes) -> None: ...
 
+    def create(self, key: str, value: bytes) -> bool:
+        """Write `key` only if nobody holds it (False: somebody does)."""
+        ...
+
     def get(self, key: str) -> bytes | None: ...
 
     def delete(self, key: str) -> None: ...
@@ -146,6 +150,16 @@ class HttpDirectory:
             raise HixlError(f"{self.describe()}: PUT {key} answered {status}: "
                             f"{body.decode(errors='replace')[:200]}")
 
+    def create(self, key: str, value: bytes) -> bool:
+        """PUT of an rpc_meta key: Mooncake's metadata servers refuse to overwrite one."""
+        status, body = self._call("PUT", key, value)
+        if status == 400 and b"Duplicate" in body:
+            return False
+        if status != 200:
+            raise HixlError(f"{self.describe()}: PUT {key} answered {status}: "
+                            f"{body.decode(errors='replace')[:200]}")
+        return True
+
     def get(self, key: str) -> bytes | None:
         status, body = self._call("GET", key)
         if status == 404:
@@ -185,6 +199,12 @@ class EtcdDirectory:
 
     def put(self, key: str, value: bytes) -> None:
         self._client.put(key, value, lease=self._lease)
+
+    def create(self, key: str, value: bytes) -> bool:
+        from hixl.etcd import Compare, Put
+
+        return self._client.txn([Compare.absent(key)],
+                                [Put(key, value, self._lease.id)]).succeeded
 
     def get(self, key: str) -> bytes | None:
         found = self._client.get(key)

@@ -349,7 +349,10 @@ class TransferEngine:
             log.info("segment %s: taking over the record of %s (not answering)", name,
                      address)
             directory.delete(key)
-        directory.put(key, rpc_meta(host, port))
+        if not directory.create(key, rpc_meta(host, port)):
+            raise ParamInvalid(f"segment name {name!r} was just taken on "
+                               f"{directory.describe()} by another engine starting under it: "
+                               "give this engine another local_hostname")
         self._claimed = True
         self._publish_buffers()
 
