@@ -48,6 +48,8 @@ MAX_METADATA_VALUE_BYTES = 16 << 20
 MAX_METADATA_TOTAL_BYTES = 256 << 20
 #: an idle or stalled HTTP connection is closed after this many seconds
 SOCKET_TIMEOUT_S = 30.0
+#: connections one server serves at once (a thread each); more are closed on accept
+MAX_CONNECTIONS = 64
 STOP_TIMEOUT_S = 5.0
 #: the protocol a replica is reported under in /query_key (hixl's clients are set up as
 #: Mooncake's "tcp"; the bytes take hixl's own paths)
@@ -88,11 +90,12 @@ class HttpServer:
     `key`, the setting that chose it."""
 
     def __init__(self, routes: dict[tuple[str, str], Route], host: str, port: int,
-                 key: str) -> None:
+                 key: str, max_connections: int = MAX_CONNECTIONS) -> None:
         handler = type("Handler", (_Handler,), {"routes": routes})
         bare = host.strip("[]")
-        server = type("Server", (ThreadingHTTPServer,), {
-            "address_family": socket.AF_INET6 if ":" in bare else socket.AF_INET})
+        server = type("Server", (_BoundedServer,), {
+            "address_family": socket.AF_INET6 if ":" in bare else socket.AF_INET,
+            "slots": threading.BoundedSemaphore(max_connections)})
         try:
             self._httpd = server((bare, port), handler)
         except OSError as exc:
@@ -119,6 +122,31 @@ class HttpServer:
         with contextlib.suppress(OSError):
             self._httpd.server_close()
         self._thread.join(STOP_TIMEOUT_S)
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """At most `slots` connections served at once: one more is closed at accept,
+    so idle or slow clients cannot make the master start threads without bound."""
+
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            log.warning("HTTP: the most connections it serves at once are open; closing "
+                        "one from %s", client_address[0])
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):

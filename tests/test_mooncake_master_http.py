@@ -284,3 +284,26 @@ def test_answers_match_the_real_mooncake_master(master: HixlMaster) -> None:
     assert _replay(master.admin, master.metadata) == expected
     ours = json.loads(http("GET", f"{master.admin}/health")[2])
     assert ours == health
+
+
+def test_idle_connections_cannot_pile_up_threads() -> None:
+    server = HttpServer(MetadataStore().routes(), HOST, 0, "test", max_connections=2)
+    idle = [socket.create_connection((HOST, server.port)) for _ in range(2)]
+    try:
+        with socket.create_connection((HOST, server.port)) as extra:
+            waiting.wait_until(lambda: waiting.closed_by_peer(extra),
+                               "the connection over the bound closed", EVENT_DEADLINE_S)
+        idle.pop().close()
+        waiting.wait_until(lambda: _served(f"{server.url}/metadata?key=a"),
+                           "a request served once a slot is free", EVENT_DEADLINE_S)
+    finally:
+        for sock in idle:
+            sock.close()
+        server.close()
+
+
+def _served(url: str) -> bool:
+    try:
+        return http("GET", url)[0] == 404
+    except OSError:
+        return False
