@@ -41,6 +41,18 @@ if len(sys.argv) > 1:
     report["get"] = store.get("framework-key").decode()
     report["exists"] = store.is_exist("framework-key")
     store.close()
+    # vLLM's P2P connector: a TransferEngine, registered memory, a write by segment name
+    import ctypes
+    engine = TransferEngine()
+    report["initialize"] = engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "")
+    source = ctypes.create_string_buffer(b"kv blocks", 4096)
+    target = ctypes.create_string_buffer(4096)
+    report["register"] = engine.batch_register_memory(
+        [ctypes.addressof(source), ctypes.addressof(target)], [4096, 4096])
+    report["write"] = engine.batch_transfer_sync_write(
+        f"127.0.0.1:{engine.get_rpc_port()}", [ctypes.addressof(source)],
+        [ctypes.addressof(target)], [9])
+    report["moved"] = target.value.decode()
 print(json.dumps(report))
 """
 
@@ -85,7 +97,8 @@ def test_launcher_serves_mooncakes_names_from_hixl(script: Path, master: str) ->
     assert seen == {"store": "hixl.client.mooncake.store",
                     "engine": "hixl.client.mooncake.transfer_engine",
                     "config": "hixl.client.mooncake.store", "same": True, "setup": 0,
-                    "put": 0, "get": "from a Mooncake-only script", "exists": 1}
+                    "put": 0, "get": "from a Mooncake-only script", "exists": 1,
+                    "initialize": 0, "register": 0, "write": 0, "moved": "kv blocks"}
 
 
 def test_python_dash_m_form_and_child_processes(script: Path) -> None:
