@@ -251,3 +251,25 @@ def test_engines_starting_under_one_name_at_once_leave_one_holder(
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_ram_record_follows_batch_registrations(hixl_master: HixlMaster) -> None:
+    url = hixl_master.metadata
+    [engine] = _engines(url, "127.0.0.4")
+    try:
+        memory = [ctypes.create_string_buffer(SIZE) for _ in range(3)]
+        addrs = [ctypes.addressof(m) for m in memory]
+        assert engine.batch_register_memory(addrs, [SIZE] * 3) == 0
+
+        def recorded() -> set[int]:
+            record = _metadata_get(url, "mooncake/ram/127.0.0.4")
+            assert record is not None
+            return {b["addr"] for b in json.loads(record)["buffers"]}
+
+        assert recorded() == set(addrs)
+        assert engine.batch_unregister_memory(addrs[:2]) == 0
+        assert recorded() == {addrs[2]}
+        assert engine.unregister_memory(addrs[2]) == 0
+        assert recorded() == set()
+    finally:
+        engine.close()

@@ -357,13 +357,20 @@ class TransferEngine:
         self._publish_buffers()
 
     def _publish_buffers(self) -> None:
-        """Mooncake's ram record of this segment: every registered or managed range."""
-        if self._directory is None:
+        """Mooncake's ram record of this segment: every registered or managed range. For
+        Mooncake's tools only (hixl peers find buffers in the handshake), so a failure to
+        write it is logged, and the registration stands."""
+        directory = self._directory
+        if directory is None:
             return
         with self._lock:
             buffers = [(base, length) for base, length, _ in self._regions]
-        self._directory.put(RAM + self._segment_name,
-                            ram_segment(self._segment_name, self._rpc_port, buffers))
+        try:
+            directory.put(RAM + self._segment_name,
+                          ram_segment(self._segment_name, self._rpc_port, buffers))
+        except HixlError as exc:
+            log.warning("segment %s: could not update its ram record on %s: %s",
+                        self._segment_name, directory.describe(), exc)
 
     def _address(self, target: str) -> str:
         """The hixl engine ("ip:port") serving segment `target`: itself without a
@@ -427,7 +434,7 @@ class TransferEngine:
         """Serve [buffer_addr, +capacity) to peers; overlapping a registration is -7."""
         return self._guard("register_memory", lambda: self._register(buffer_addr, capacity))
 
-    def _register(self, addr: Any, length: Any) -> int:
+    def _register(self, addr: Any, length: Any, publish: bool = True) -> int:
         engine = self._require()
         addr, length = _as_int(addr, "buffer_addr"), _as_int(length, "capacity")
         check_range(addr, length, "register_memory")
@@ -443,14 +450,15 @@ class TransferEngine:
                 raise
             self._regions.remove(addr)
             self._regions.insert(addr, length, handle)
-        self._publish_buffers()
+        if publish:
+            self._publish_buffers()
         return 0
 
     def unregister_memory(self, buffer_addr: int) -> int:
         """Withdraw a registration made by register_memory; unknown addresses are -3."""
         return self._guard("unregister_memory", lambda: self._unregister(buffer_addr))
 
-    def _unregister(self, addr: Any) -> int:
+    def _unregister(self, addr: Any, publish: bool = True) -> int:
         engine = self._require()
         addr = _as_int(addr, "buffer_addr")
         with self._lock:
@@ -460,27 +468,34 @@ class TransferEngine:
                                     f"no buffer registered at {addr:#x} (already unregistered?)")
             engine.deregister(handle)
             self._regions.remove(addr)
-        self._publish_buffers()
+        if publish:
+            self._publish_buffers()
         return 0
 
     def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
                               location: str = "*") -> int:
-        """register_memory for each pair; stops at (and returns) the first failure."""
+        """register_memory for each pair; stops at (and returns) the first failure. The
+        metadata server's record is rewritten once, after the batch."""
         if len(buffer_addresses) != len(capacities):
             return self._guard("batch_register_memory", lambda: _raise(ParamInvalid(
                 f"{len(buffer_addresses)} addresses but {len(capacities)} capacities")))
+        rc = 0
         for addr, length in zip(buffer_addresses, capacities, strict=True):
-            rc = self.register_memory(addr, length, location)
+            rc = self._guard("register_memory",
+                             lambda a=addr, n=length: self._register(a, n, publish=False))
             if rc != 0:
-                return rc
-        return 0
+                break
+        self._publish_buffers()
+        return rc
 
     def batch_unregister_memory(self, buffer_addresses: Sequence[int]) -> int:
         """unregister_memory for each; returns the first failure, still tries the rest."""
         first = 0
         for addr in buffer_addresses:
-            rc = self.unregister_memory(addr)
+            rc = self._guard("unregister_memory",
+                             lambda a=addr: self._unregister(a, publish=False))
             first = first or rc
+        self._publish_buffers()
         return first
 
     def allocate_managed_buffer(self, length: int) -> int:
