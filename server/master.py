@@ -303,7 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hixl-master", allow_abbrev=False,
         description="Serve the hixl address-table registry (and accept mooncake_master flags). "
                     "Settings come from --config FILE, then HIXL_MASTER_<KEY> environment "
-                    "variables, then flags; every flag's dest is a config key.")
+                    "variables, then flags; every flag's dest is a config key.",
+        epilog="Flags take mooncake_master's spellings too: -flag=value, --flag value, "
+               "booleans as --flag, --flag=false or --noflag, --flagfile=FILE, underscores "
+               "for dashes. mooncake_master's RDMA/SSD/CXL flags are accepted and warned "
+               "about; --config_path reads its master config file.")
     parser.add_argument("--config", metavar="FILE",
                         help="YAML file of settings keyed like the flags' dests "
                              "(--describe-config lists them)")
