@@ -203,6 +203,7 @@ class GetReplicasResult:
     size: int = 0
     replicas: tuple[Replica, ...] = ()
     lease_ttl_ms: int = 0
+    cache_ttl_ms: int = 0     # asked to cache: usable without the master for this long
 
 
 @dataclass(frozen=True)
@@ -692,13 +693,15 @@ class MasterClient:
 
     # -- reads -----------------------------------------------------------------------
 
-    def batch_get_replicas(self, keys: Sequence[str], timeout: float | None = None,
-                           ) -> list[GetReplicasResult]:
-        """Where each key's value is; grants a read lease on each one found."""
-        reply = self._call("GetReplicas", store_pb2.KeysRequest(keys=list(keys)),
+    def batch_get_replicas(self, keys: Sequence[str], timeout: float | None = None, *,
+                           cache: bool = False) -> list[GetReplicasResult]:
+        """Where each key's value is; grants a read lease on each one found. `cache`:
+        also a cache lease (`cache_ttl_ms`, counted from before this call: see
+        LocationCache)."""
+        reply = self._call("GetReplicas", store_pb2.KeysRequest(keys=list(keys), cache=cache),
                            f"get replicas of {len(keys)} key(s)", timeout)
         return [GetReplicasResult(r.code, r.size, tuple(replica_from_pb(p) for p in r.replicas),
-                                  r.lease_ttl_ms) for r in reply.results]
+                                  r.lease_ttl_ms, r.cache_ttl_ms) for r in reply.results]
 
     def get_replicas(self, key: str, timeout: float | None = None) -> GetReplicasResult:
         return self.batch_get_replicas([key], timeout)[0]
@@ -782,6 +785,73 @@ class MasterClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------- location cache
+
+#: most locations a LocationCache keeps (the oldest go first)
+CACHE_ENTRIES = 65_536
+
+
+class LocationCache:
+    """Where values are, as the master said, for gets that skip the master (docs/store.md
+    §3). Thread-safe.
+
+    An entry is used only before `sent + cache_ttl * (1 - RESERVATION_MARGIN)`, `sent`
+    being when its GetReplicas was *sent*: the master returns a removal or replacement
+    of the value only after `cache_ttl` from when it answered, which is later, so no
+    client reads a cached location of a value once its removal has returned. The
+    client's own puts and removals drop their keys at once.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_entries: int = CACHE_ENTRIES) -> None:
+        self._clock = clock
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[GetReplicasResult, float]] = {}
+        #: gets answered from the cache, for tests and operators
+        self.hits = 0
+
+    def get(self, key: str) -> GetReplicasResult | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if self._clock() >= entry[1]:
+                del self._entries[key]
+                return None
+            self.hits += 1
+            return entry[0]
+
+    def put(self, key: str, result: GetReplicasResult, sent: float) -> None:
+        """Keep `result` (of a GetReplicas sent at `sent`) if the master let us."""
+        if result.code != ErrorCode.OK or not result.cache_ttl_ms or not result.replicas:
+            return
+        until = sent + result.cache_ttl_ms / 1000 * (1 - RESERVATION_MARGIN)
+        with self._lock:
+            entries = self._entries
+            entries.pop(key, None)
+            entries[key] = (result, until)
+            while len(entries) > self._max:
+                del entries[next(iter(entries))]
+
+    def key_of(self, result: GetReplicasResult) -> str | None:
+        """The key `result` is cached under, if it came from this cache."""
+        with self._lock:
+            for key, (held, _) in self._entries.items():
+                if held is result:
+                    return key
+        return None
+
+    def drop(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
 
 
 # ---------------------------------------------------------------------------- reservations
@@ -1014,7 +1084,7 @@ class ReservedSpace:
 
 __all__ = [
     "ClientStatus", "CountResult", "GetReplicasResult", "HeartbeatResult", "KeyInfo",
-    "KeyListing", "KeyReplica", "KeyState", "MasterClient", "MasterNotLeader",
+    "KeyListing", "KeyReplica", "KeyState", "LocationCache", "MasterClient", "MasterNotLeader",
     "MasterAuthenticationFailed", "MasterRpcError", "MasterUnavailable", "MountedSegment",
     "NOT_IDEMPOTENT",
     "PutStartResult", "Replica", "ReplicaConfig", "ReplicaState", "Reservation",

@@ -238,13 +238,16 @@ class StoreOptions:
     reservation_ttl_ms: int = 1_000
     #: space one reservation sets aside per segment (at most an eighth of the segment)
     reservation_bytes: int = 32 << 20
+    #: how long a client may read a value's locations from its cache (docs/store.md §3),
+    #: at most the read lease; removing or replacing a cached value waits it out
+    location_cache_ttl_ms: int = 500
 
     def check(self) -> None:
         """ConfigError naming the first unusable setting."""
         positive = ("default_kv_lease_ttl_ms", "default_kv_soft_pin_ttl_ms", "client_ttl_s",
                     "put_start_discard_timeout_s", "put_start_release_timeout_s",
                     "remount_grace_s", "snapshot_every_records", "reservation_ttl_ms",
-                    "reservation_bytes")
+                    "reservation_bytes", "location_cache_ttl_ms")
         for name in positive:
             value = getattr(self, name)
             if not value > 0:
@@ -425,6 +428,7 @@ class _Object:
     hard_pin: bool = False
     soft_pin_until: float = 0.0
     lease_until: float = 0.0
+    cache_until: float = 0.0     # clients may read its locations from their caches until
 
     def record(self, key: str) -> list[Any]:
         return [key, self.size, self.hard_pin, [r.record() for r in self.replicas]]
@@ -523,9 +527,16 @@ class ObjectStore:
         self._reservation_ids = itertools.count(secrets.randbits(40) << 16 | 1)
         #: False only for a persistent store that loaded nothing (its first start)
         self._may_have_predecessor = True
+        #: the latest cache lease of an object removed or replaced since a call took it
+        #: (_take_cache_wait_locked): that call returns only after it (docs/store.md §3)
+        self._cache_wait_until = 0.0
+        #: unmounted segments (engine, id) -> when the last cache lease of a value in
+        #: them ends: mounted again before then, they lend nothing out until then
+        self._quarantine: dict[tuple[str, int], float] = {}
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "evicted", "evictions", "expired_clients", "preempted_puts",
-             "released_puts", "commits", "reservations_granted", "reservations_expired"), 0)
+             "released_puts", "commits", "reservations_granted", "reservations_expired",
+             "cache_waits"), 0)
         self._snapshot_lock = threading.Lock()
         if data_dir is not None and backend is not None:
             raise TypeError("ObjectStore takes data_dir or backend, not both")
@@ -609,6 +620,10 @@ class ObjectStore:
                      held.info.epoch, dropped)
         mounted = _Segment(segment, client_id, True, OffsetAllocator(segment.length))
         self._segments[mounted.ident] = mounted
+        until = self._quarantine.pop(mounted.ident, 0.0)
+        if until > self._clock():  # cached replicas of its last mount may still be read
+            mounted.allocator.reserve(0, segment.length)
+            self._at_locked(until, "free", _Replica(0, mounted, 0, segment.length))
         self._journal_locked({"t": "mount", **_segment_record(mounted)})
         return SegmentResult(ErrorCode.OK)
 
@@ -626,7 +641,8 @@ class ObjectStore:
                                      f"{held.client_id}, not {client_id}")
             dropped = self._unmount_locked(held, "unmounted")
             mark = self._journal_locked({"t": "unmount", "e": engine, "i": segment_id})
-        return self._after_commit(SegmentResult(ErrorCode.OK, "", dropped), mark)
+            wait_s = self._take_cache_wait_locked()
+        return self._after_caches(SegmentResult(ErrorCode.OK, "", dropped), mark, wait_s)
 
     def list_segments(self) -> list[MountedSegment]:
         with self._lock:
@@ -708,7 +724,8 @@ class ObjectStore:
                                                             put.config, now))
                 codes.append(ErrorCode.OK)
             mark = self._journal_locked({"t": "put", "o": committed}) if committed else None
-        return self._after_commit(codes, mark)
+            wait_s = self._take_cache_wait_locked()
+        return self._after_caches(codes, mark, wait_s)
 
     def _install_value_locked(self, key: str, size: int, replicas: list[_Replica],
                               config: ReplicaConfig, now: float) -> list[Any]:
@@ -849,7 +866,8 @@ class ObjectStore:
                 committed.append(self._install_value_locked(key, size, replicas, config, now))
                 self._counters["commits"] += 1
             mark = self._journal_locked({"t": "put", "o": committed}) if committed else None
-        return self._after_commit(codes, mark)
+            wait_s = self._take_cache_wait_locked()
+        return self._after_caches(codes, mark, wait_s)
 
     def _check_commit_locked(self, client_id: str, key: str, size: int,
                              ranges: Sequence[ReservedRange], upsert: bool, now: float,
@@ -908,9 +926,13 @@ class ObjectStore:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def get_replicas(self, keys: Sequence[str]) -> list[GetReplicasResult]:
-        """Readable replicas of each key, leasing each object found."""
+    def get_replicas(self, keys: Sequence[str], *, cache: bool = False,
+                     ) -> list[GetReplicasResult]:
+        """Readable replicas of each key, leasing each object found. `cache`: the caller
+        may read from them without asking again for `cache_ttl_ms` (at most the lease),
+        and whatever removes or replaces the value returns only after that."""
         ttl_ms = self.options.default_kv_lease_ttl_ms
+        cache_ms = min(self.options.location_cache_ttl_ms, ttl_ms) if cache else 0
         results = []
         with self._lock:
             now = self._sweep_locked()
@@ -919,9 +941,11 @@ class ObjectStore:
                 if obj is None or code != ErrorCode.OK:
                     results.append(GetReplicasResult(code))
                     continue
+                if cache_ms:
+                    obj.cache_until = max(obj.cache_until, now + cache_ms / 1000)
                 results.append(GetReplicasResult(
                     ErrorCode.OK, obj.size,
-                    tuple(r.describe(ReplicaState.COMPLETE) for r in live), ttl_ms))
+                    tuple(r.describe(ReplicaState.COMPLETE) for r in live), ttl_ms, cache_ms))
         return results
 
     def exist_keys(self, keys: Sequence[str]) -> list[int]:
@@ -975,7 +999,8 @@ class ObjectStore:
                     removed.append(key)
                     codes.append(ErrorCode.OK)
             mark = self._journal_locked({"t": "rm", "k": removed}) if removed else None
-        return self._after_commit(codes, mark)
+            wait_s = self._take_cache_wait_locked()
+        return self._after_caches(codes, mark, wait_s)
 
     def remove_by_regex(self, pattern: str, *, force: bool = False) -> CountResult:
         """Remove the committed objects whose key `pattern` matches (`search`; leased
@@ -1007,7 +1032,8 @@ class ObjectStore:
             for key in doomed:
                 self._remove_locked(key, now)
             mark = self._journal_locked({"t": "rm", "k": doomed}) if doomed else None
-        return self._after_commit(CountResult(ErrorCode.OK, len(doomed)), mark)
+            wait_s = self._take_cache_wait_locked()
+        return self._after_caches(CountResult(ErrorCode.OK, len(doomed)), mark, wait_s)
 
     # -- listing -------------------------------------------------------------------------
 
@@ -1288,7 +1314,9 @@ class ObjectStore:
             replica.segment.keys.add(key)
 
     def _release_object_locked(self, key: str, obj: _Object, now: float) -> None:
-        """Detach a removed/replaced object; its space waits for its lease, if any."""
+        """Detach a removed/replaced object; its space waits for its lease, if any, and
+        the call that removed it returns only once no client may read it from a cache."""
+        self._cache_wait_until = max(self._cache_wait_until, obj.cache_until)
         for replica in obj.replicas:
             replica.segment.keys.discard(key)
             self._free_replica_locked(replica, obj.lease_until, now)
@@ -1313,6 +1341,12 @@ class ObjectStore:
         """Remove a segment: replicas on it go; objects left with none are removed.
         Returns how many objects were removed."""
         dropped = 0
+        # clients may read replicas here from their caches until then: the caller waits
+        # for it, and the same memory mounted again lends nothing out before it
+        cached = max((self._objects[key].cache_until for key in segment.keys), default=0.0)
+        self._cache_wait_until = max(self._cache_wait_until, cached)
+        if cached > self._clock():
+            self._quarantine[segment.ident] = cached
         for key in list(segment.keys):
             obj = self._objects[key]
             obj.replicas = [r for r in obj.replicas if r.segment is not segment]
@@ -1398,6 +1432,20 @@ class ObjectStore:
         if mark is not None:
             backend, position = mark
             backend.wait_durable(position)
+        return result
+
+    def _take_cache_wait_locked(self) -> float:
+        """Seconds the calling removal / replacement must wait before it returns: until
+        no client may still read what it removed from a location cache."""
+        until, self._cache_wait_until = self._cache_wait_until, 0.0
+        return max(0.0, until - self._clock())
+
+    def _after_caches(self, result: _T, mark: _Mark, wait_s: float) -> _T:
+        """_after_commit, then the wait _take_cache_wait_locked gave (without the lock)."""
+        self._after_commit(result, mark)
+        if wait_s > 0:
+            self._counters["cache_waits"] += 1
+            time.sleep(wait_s)
         return result
 
     def _state_locked(self) -> dict[str, Any]:

@@ -54,6 +54,9 @@ class StoreCalls:
                            "Commit"})
     #: ... which allocate space: they wait out the start fence (docs/store.md §2)
     ALLOCATING = frozenset({"PutStart", "Reserve"})
+    #: ... which remove or replace values: they wait out clients' location caches
+    #: (docs/store.md §3), persistent or not
+    CACHE_WAITS = frozenset({"PutEnd", "Commit", "Remove", "UnmountSegment"})
     #: ... of which these always scan every key, persistent or not
     SCANS = frozenset({"RemoveByRegex", "RemoveAll", "ListKeys"})
 
@@ -100,7 +103,8 @@ class StoreCalls:
     def blocks(self, method: str) -> bool:
         """True when `method` may block (disk, a scan of every key, or the start fence)
         on this store."""
-        return (method in self.SCANS or (method in self.MAY_BLOCK and self.store.persistent)
+        return (method in self.SCANS or method in self.CACHE_WAITS
+                or (method in self.MAY_BLOCK and self.store.persistent)
                 or (method in self.ALLOCATING and self.fence_left() > 0))
 
     def _tally(self, method: str, codes: Iterable[int]) -> None:
@@ -200,10 +204,11 @@ class StoreCalls:
         return store_pb2.CodesReply(codes=codes)
 
     def get_replicas(self, request: store_pb2.KeysRequest) -> store_pb2.GetReplicasReply:
-        results = self.store.get_replicas(list(request.keys))
+        results = self.store.get_replicas(list(request.keys), cache=request.cache)
         self._tally("GetReplicas", (r.code for r in results))
         return store_pb2.GetReplicasReply(results=[
             store_pb2.GetReplicasResult(code=r.code, size=r.size, lease_ttl_ms=r.lease_ttl_ms,
+                                        cache_ttl_ms=r.cache_ttl_ms,
                                         replicas=[replica_to_pb(p) for p in r.replicas])
             for r in results])
 

@@ -64,6 +64,7 @@ from hixl.server.store import MAX_REPLICAS
 from hixl.store_client import (
     ClientStatus,
     GetReplicasResult,
+    LocationCache,
     MasterClient,
     MasterRpcError,
     PutStartResult,
@@ -425,6 +426,7 @@ class MooncakeDistributedStore:
         self._own_engine = False
         self._master: MasterClient | None = None
         self._space: ReservedSpace | None = None  # for puts in one round trip
+        self._locations = LocationCache()            # for gets without the master
         self._segment: StoreSegment | None = None
         self._segment_local = False           # the segment is memory of this process
         self._segment_shm: ShmSegment | None = None
@@ -1183,11 +1185,18 @@ class MooncakeDistributedStore:
             out.append((int(ErrorCode.INVALID_KEY), problem) if problem else (0, ""))
             if not problem:
                 asking.append(index)
+        cache = self._locations
+        for i in list(asking):
+            cached = cache.get(keys[i])
+            if cached is not None:
+                out[i] = cached
+                asking.remove(i)
         for attempt in (0, 1):
             if not asking:
                 break
+            sent = time.monotonic()
             try:
-                found = master.batch_get_replicas([keys[i] for i in asking])
+                found = master.batch_get_replicas([keys[i] for i in asking], cache=True)
             except MasterRpcError as exc:
                 for i in asking:
                     out[i] = (int(ErrorCode.RPC_FAIL), str(exc))
@@ -1196,6 +1205,7 @@ class MooncakeDistributedStore:
             for i, result in zip(asking, found, strict=True):
                 if result.code == OK and result.replicas:
                     out[i] = result
+                    cache.put(keys[i], result, sent)
                 elif result.code == OK:
                     out[i] = (int(ErrorCode.REPLICA_IS_NOT_READY), "no readable replica")
                 else:
@@ -1214,6 +1224,36 @@ class MooncakeDistributedStore:
 
     def _read(self, jobs: list[tuple[int, GetReplicasResult, list[tuple[int, int, int]]]],
               ) -> dict[int, str]:
+        """_read_from, and for a job that failed on locations from the cache (its holder
+        went away), the master's answer now and one more read; job id -> why it failed."""
+        failed = self._read_from(jobs)
+        cache = self._locations
+        stale = [(job, result, pieces, key) for job, result, pieces in jobs
+                 if job in failed and (key := cache.key_of(result)) is not None]
+        master = self._master
+        if not stale or master is None:
+            return failed
+        keys = [key for *_, key in stale]
+        cache.drop(keys)
+        sent = time.monotonic()
+        try:
+            fresh = master.batch_get_replicas(keys, cache=True)
+        except MasterRpcError:
+            return failed
+        again = []
+        for (job, result, pieces, key), now in zip(stale, fresh, strict=True):
+            if now.code == OK and now.replicas and now.size == result.size:
+                cache.put(key, now, sent)
+                again.append((job, now, pieces))
+            else:
+                failed[job] += f"; the master now says {code_name(now.code)}"
+        for job, _, _ in again:
+            failed.pop(job)
+        failed.update(self._read_from(again) if again else {})
+        return failed
+
+    def _read_from(self, jobs: list[tuple[int, GetReplicasResult, list[tuple[int, int, int]]]],
+                   ) -> dict[int, str]:
         """Read each job's pieces (local addr, value offset, length) from its replicas,
         nearest first, the next replica after a failure; job id -> why it failed."""
         failed: dict[int, str] = {}

@@ -207,22 +207,26 @@ class CodesReply(_message.Message):
     def __init__(self, codes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "cache")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    cache: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., cache: _Optional[bool] = ...) -> None: ...
 
 class GetReplicasResult(_message.Message):
-    __slots__ = ("code", "size", "replicas", "lease_ttl_ms")
+    __slots__ = ("code", "size", "replicas", "lease_ttl_ms", "cache_ttl_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     code: int
     size: int
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
     lease_ttl_ms: int
-    def __init__(self, code: _Optional[int] = ..., size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    cache_ttl_ms: int
+    def __init__(self, code: _Optional[int] = ..., size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., lease_ttl_ms: _Optional[int] = ..., cache_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class GetReplicasReply(_message.Message):
     __slots__ = ("results",)

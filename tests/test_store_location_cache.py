@@ -1,0 +1,130 @@
+"""Gets without the master (docs/store.md §3), against a real hixl-master and holder.
+
+A repeated get of an unchanged key is answered from the client's location cache (no
+master call); once another client's removal or upsert of the key has returned, no get
+reads the old value; eviction never takes a value a client may still read from its
+cache. Waits are for conditions, under a deadline that only guards against a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pytest
+
+from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.registry_bench import MasterProcess
+from hixl.client.store_bench import HolderProcess
+from hixl.store_client import MasterClient
+from hixl.store_codes import ErrorCode
+
+MiB = 1 << 20
+GIVE_UP_S = 30.0   # only a guard against a hang
+LEASE_MS = 1000
+
+_T = TypeVar("_T")
+
+
+def eventually(call: Callable[[], _T], done: Callable[[_T], bool], what: str) -> _T:
+    deadline = time.monotonic() + GIVE_UP_S
+    while True:
+        result = call()
+        if done(result):
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: still {result!r}")
+        time.sleep(0.05)
+
+
+def pattern(seed: int, size: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[MasterProcess]:
+    with MasterProcess(extra=["--data-dir", str(tmp_path / "data"),
+                              f"-default_kv_lease_ttl={LEASE_MS}"]) as process:
+        yield process
+
+
+def pure_client(master: MasterProcess) -> MooncakeDistributedStore:
+    store = MooncakeDistributedStore(setup_timeout=GIVE_UP_S)
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 4 * MiB, "tcp", "",
+                       master.target) == 0, store.last_error
+    return store
+
+
+@pytest.fixture
+def clients(master: MasterProcess) -> Iterator[tuple[MooncakeDistributedStore,
+                                                     MooncakeDistributedStore]]:
+    holder = HolderProcess("hixl", master.target, "127.0.0.1", 16 * MiB)
+    writer, reader = pure_client(master), pure_client(master)
+    yield writer, reader
+    reader.close()
+    writer.close()
+    holder.stop()
+
+
+def master_calls(store: MooncakeDistributedStore) -> int:
+    assert store._master is not None
+    return store._master.fast_calls
+
+
+def test_a_repeated_get_needs_no_master_call(clients: tuple[MooncakeDistributedStore, ...],
+                                             ) -> None:
+    writer, reader = clients
+    value = pattern(1, 64 << 10)
+    assert writer.put("k", value) == 0
+    assert reader.get("k") == value                       # asks the master, caches
+    before, hits = master_calls(reader), reader._locations.hits
+    sink = np.zeros(64 << 10, np.uint8)
+    assert reader.register_buffer(sink.ctypes.data, sink.nbytes) == 0
+    assert reader.get("k") == value
+    assert reader.get_into("k", sink.ctypes.data, sink.nbytes) == len(value)
+    assert bytes(sink) == value
+    # both answered from the cache, every byte read from the holder's segment
+    assert (master_calls(reader), reader._locations.hits) == (before, hits + 2)
+
+
+@pytest.mark.parametrize("change", ["remove", "upsert"])
+def test_no_stale_read_once_another_clients_change_returned(
+        clients: tuple[MooncakeDistributedStore, ...], change: str) -> None:
+    writer, reader = clients
+    old, new = pattern(2, 50_000), pattern(3, 70_000)
+    for round_ in range(3):
+        key = f"k{round_}"
+        assert writer.put(key, old) == 0
+        assert reader.get(key) == old and reader.get(key) == old   # the second: cached
+        if change == "remove":
+            assert writer.remove(key) == ErrorCode.OBJECT_HAS_LEASE   # leased: kept
+            assert reader.get(key) == old
+            assert writer.remove(key, force=True) == 0
+            assert reader.get(key) == b""
+            assert reader.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+        else:
+            assert writer.upsert(key, new) == 0
+            assert reader.get(key) == new
+
+
+def test_eviction_never_takes_a_value_a_cache_may_still_read(
+        master: MasterProcess, clients: tuple[MooncakeDistributedStore, ...]) -> None:
+    writer, reader = clients
+    kept = pattern(4, MiB)
+    assert writer.put("kept", kept) == 0
+    assert reader.get("kept") == kept                     # leased and cached
+    filler = pattern(5, MiB)
+    for i in range(24):                                   # more than the 16 MiB pool holds
+        assert writer.put(f"fill-{i}", filler) == 0
+    assert reader.get("kept") == kept                     # evicted around it
+    with MasterClient(master.target, timeout=GIVE_UP_S) as check:
+        eventually(lambda: check.list_keys("^kept$").keys[0].lease_ms, lambda ms: ms == 0,
+                   "lease end")
+        for i in range(24, 48):                           # now it goes: least recently read
+            assert writer.put(f"fill-{i}", filler) == 0
+        assert check.exist_key("kept") == ErrorCode.OBJECT_NOT_FOUND
+    assert reader.get("kept") == b""                      # never another value's bytes
+    assert reader.last_error_code == ErrorCode.OBJECT_NOT_FOUND
