@@ -1058,8 +1058,12 @@ class ReservedSpace:
 
     def _reserve_locked(self, key: tuple[Any, ...], config: ReplicaConfig) -> list[_Held] | None:
         """A new set of reservations for `config` (releasing spent ones), or None."""
-        release = [h for h in self._spent if not h.in_flight]
-        self._spent = [h for h in self._spent if h.in_flight]
+        # spent ones with nothing in flight are released; those whose lease the master
+        # must have ended by now are forgotten (a placement never given back included)
+        now = self._clock()
+        alive = [h for h in self._spent if now < h.fresh_until + h.ttl_s]
+        release = [h for h in alive if not h.in_flight]
+        self._spent = [h for h in alive if h.in_flight]
         sent = self._clock()
         self.calls += 1
         try:

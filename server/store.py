@@ -467,6 +467,8 @@ class _Reservation:
 #: segments one Reserve sets space aside on (at least replica_num): a client spreads its
 #: values over them at random, as the `random` allocation strategy would
 RESERVE_SPREAD = 8
+#: a smaller reservation is not worth a round trip: none is granted then
+MIN_RESERVATION = 256 << 10
 #: reservations remembered after they end, to answer LEASE_EXPIRED rather than not found
 _ENDED_KEPT = 4096
 
@@ -776,7 +778,7 @@ class ObjectStore:
             for segment in self._candidates_locked(config, node_id):
                 if len(granted) == max(config.replica_num, RESERVE_SPREAD):
                     break
-                size = min(want, segment.allocator.capacity // 8) // ALIGNMENT * ALIGNMENT
+                size = self._reservable_locked(segment, want)
                 offset = segment.allocator.allocate(size) if size > 0 else None
                 if offset is None:
                     continue
@@ -795,6 +797,19 @@ class ObjectStore:
             return ReserveResult(ErrorCode.NO_AVAILABLE_HANDLE,
                                  message="no mounted segment has room for a reservation")
         return self._after_commit(ReserveResult(ErrorCode.OK, tuple(granted), ttl_ms), mark)
+
+    def _reservable_locked(self, segment: _Segment, want: int) -> int:
+        """How much one more reservation may take in `segment` (0: none): at most an
+        eighth of it, a quarter of its free space, and all reservations there together
+        at most a quarter of it, so that reserved space, which eviction cannot take
+        back, never starves two-phase puts."""
+        allocator = segment.allocator
+        reserved = sum(sum(self._reservations[rid].pieces.values())
+                       for rid in segment.reservations)
+        size = min(want, allocator.capacity // 8, allocator.free_bytes // 4,
+                   allocator.capacity // 4 - reserved)
+        size = size // ALIGNMENT * ALIGNMENT
+        return size if size >= MIN_RESERVATION else 0
 
     def release(self, client_id: str, reservation_ids: Sequence[int]) -> list[int]:
         """End `client_id`'s reservations: what they still hold is free again. Per id OK,

@@ -287,3 +287,16 @@ def test_kill_9_of_the_client_at_every_step(master: MasterProcess, holder: Holde
     with client(master, "check") as check:                # the dead client's space comes back
         stats = eventually(check.stats, lambda s: s["reservations"] == 0, "lease end")
         assert stats["used"] == (50_048 if step == "committed" else 0)
+
+
+def test_reservations_never_take_more_than_a_quarter_of_a_segment() -> None:
+    """Eviction cannot take reserved space back: however many clients reserve, three
+    quarters of a segment stay for two-phase puts (and eviction)."""
+    store = ObjectStore()
+    assert store.mount_segment("owner", seg(length=64 * MiB)).code == OK
+    granted = [store.reserve(f"client-{i}") for i in range(20)]
+    spans = [r.reservations[0].space.length for r in granted if r.code == OK]
+    assert spans and sum(spans) <= 16 * MiB
+    assert granted[-1].code == ErrorCode.NO_AVAILABLE_HANDLE
+    [started] = store.put_start("writer", [("big", 40 * MiB)])
+    assert started.code == OK                             # the rest is still there
