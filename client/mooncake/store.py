@@ -986,8 +986,9 @@ class MooncakeDistributedStore:
                 log.warning("%s: %r has an empty value; nothing stored (as Mooncake)",
                             what, item.key)
         pending = [item for item in pending if item.size]
-        if pending and self._space is not None:
-            pending = self._put_reserved(what, pending, config, upsert, codes, reasons)
+        space = self._space
+        if pending and space is not None:
+            pending = self._put_reserved(space, what, pending, config, upsert, codes, reasons)
         for attempt in (0, 1):
             if not pending:
                 break
@@ -1030,23 +1031,22 @@ class MooncakeDistributedStore:
         self._report(what, keys, codes, reasons)
         return [int(c) for c in codes]
 
-    def _put_reserved(self, what: str, items: list[_Item], config: ReplicateConfig,
-                      upsert: bool, codes: list[int], reasons: dict[int, str]) -> list[_Item]:
+    def _put_reserved(self, space: ReservedSpace, what: str, items: list[_Item],
+                      config: ReplicateConfig, upsert: bool, codes: list[int],
+                      reasons: dict[int, str]) -> list[_Item]:
         """Put what fits this client's reservations in one master round trip (write, then
         Commit: docs/store.md §2); returns the items left for the two-phase put."""
-        space = self._space
-        assert space is not None
         master_config = self._master_config(config, False)
         placed = space.place(master_config, [item.size for item in items])
         rest = [item for item, placement in zip(items, placed, strict=True) if placement is None]
         jobs = [(item, placement) for item, placement in zip(items, placed, strict=True)
                 if placement is not None]
         # checked right before writing: a reservation past its lease is never written
-        stale = [(item, p) for item, p in jobs if not space.fresh(p)]
-        if stale:
-            space.abandon([p for _, p in stale])
-            rest += [item for item, _ in stale]
-            jobs = [(item, p) for item, p in jobs if space.fresh(p)]
+        fresh = [space.fresh(p) for _, p in jobs]
+        if not all(fresh):
+            space.abandon([p for (_, p), ok in zip(jobs, fresh, strict=True) if not ok])
+            rest += [item for (item, _), ok in zip(jobs, fresh, strict=True) if not ok]
+            jobs = [job for job, ok in zip(jobs, fresh, strict=True) if ok]
         failed = self._write([(item, PutStartResult(OK, 0, p.replicas)) for item, p in jobs])
         if failed:
             space.abandon([p for item, p in jobs if item.index in failed])
