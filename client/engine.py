@@ -27,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from hixl.auth import as_token, load_token
 from hixl.errors import (
     AlreadyConnected,
@@ -54,7 +56,7 @@ from hixl.metrics import (
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM, EngineOptions
 from hixl.table import MAX_ADDRESS, AddressTable, check_range
 from hixl.tls import ClientTLS, TlsSetting, client_tls
-from hixl.transports.base import Item, Transport
+from hixl.transports.base import Item, Runs, Transport
 from hixl.transports.fabric import FabricTransport
 from hixl.transports.tcp import SocketTransport
 from hixl.types import (
@@ -74,6 +76,8 @@ REGISTRY_ENV = "HIXL_REGISTRY"  # registry address when Engine(registry=...) is 
 ASYNC_WORKERS = 4
 INLINE_ASYNC_BYTES = 256 << 10  # async fabric transfers up to this size complete in the call
 _NEED_WRITE, _NEED_READ = int(Perm.WRITE), int(Perm.READ)  # plain ints: IntFlag ops are slow
+ARRAY_MIN_OPS = 32  # list batches this long are resolved as arrays (transfer_arrays)
+_INT64_MAX = (1 << 63) - 1
 PATHS = ("fabric", "tcp", "unix")  # the data paths an op can take (`Engine.route`)
 _monotonic = time.monotonic
 # module constants: `TransferOp.WRITE` is an enum class lookup, ~35 ns on the hot path
@@ -113,14 +117,15 @@ def _agent_info(view: Any) -> Any:
                      fd_socket=ends.fd_socket, segments=view.segments())
 
 
-def _account(peer: _Peer, op: TransferOp, fabric_items: list[Item], socket_items: list[Item],
-             nbytes: int, start: float) -> None:
+def _account(peer: _Peer, op: TransferOp, fabric_items: list[Item] | Runs,
+             socket_items: list[Item], nbytes: int, start: float) -> None:
     """Count a finished call (once per call, not per op) in the traffic of the path it
     took; a call that took both paths counts its whole time in each."""
     seconds = _monotonic() - start
     if socket_items:
         if fabric_items:
-            part = sum(item.length for item in fabric_items)
+            part = fabric_items.nbytes if type(fabric_items) is Runs \
+                else sum(item.length for item in fabric_items)  # type: ignore[union-attr]
             peer.fabric_traffic[op].add(len(fabric_items), part, seconds)  # type: ignore[index]
             nbytes -= part
         peer.socket_traffic[op].add(len(socket_items), nbytes, seconds)  # type: ignore[index]
@@ -163,6 +168,118 @@ def _unpack_desc(index: int, desc: Any) -> tuple[Any, Any, Any]:
         raise ParamInvalid(f"op {index}: expected TransferOpDesc(local_addr, remote_addr, len), "
                            f"got {desc!r}") from None
     return local_addr, remote_addr, length
+
+
+def _op_array(values: Any, name: str) -> np.ndarray:
+    """One descriptor array as int64: 1-d, integer dtype, no value past 2**63 - 1."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ParamInvalid(f"{name} must be a 1-d array of integers, got shape {array.shape}")
+    if array.dtype.kind not in "iu":
+        raise ParamInvalid(f"{name} must be an integer array (int64 or uint64), got dtype "
+                           f"{array.dtype}")
+    if array.dtype.kind == "u" and array.dtype.itemsize == 8 and array.size and \
+            int(array.max()) > _INT64_MAX:
+        index = int(np.argmax(array > _INT64_MAX))
+        raise ParamInvalid(f"op {index}: {name}[{index}] = {int(array[index])} overflows the "
+                           "address space", failed=[index])
+    return array.astype(np.int64, copy=False)
+
+
+def op_arrays(local_addrs: Any, remote_addrs: Any, lengths: Any
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(local, remote, lengths) as int64 arrays of one length, every op checked at once:
+    positive lengths, non-negative addresses, no range past the 64-bit address space.
+    `lengths` may be one int for every op. The first bad op raises, by index."""
+    local = _op_array(local_addrs, "local_addrs")
+    remote = _op_array(remote_addrs, "remote_addrs")
+    if isinstance(lengths, int | np.integer) and not isinstance(lengths, bool):
+        if not 0 < lengths <= _INT64_MAX:
+            raise ParamInvalid(f"length must be positive, got {lengths}", failed=[0])
+        sizes = np.full(local.size, lengths, np.int64)
+    else:
+        sizes = _op_array(lengths, "lengths")
+    if not local.size == remote.size == sizes.size:
+        raise ParamInvalid(f"descriptor arrays differ in length: {local.size} local_addrs, "
+                           f"{remote.size} remote_addrs, {sizes.size} lengths")
+    if not local.size:
+        raise ParamInvalid("a batch needs at least one op (the arrays are empty)")
+    positive = np.maximum(sizes, 1)  # keeps the sums below from overflowing
+    bad = (sizes <= 0) | (local < 0) | (remote < 0) | (local > _INT64_MAX - positive) | \
+        (remote > _INT64_MAX - positive)
+    if bad.any():
+        index = int(np.argmax(bad))
+        for addr, side in ((int(local[index]), "local"), (int(remote[index]), "remote")):
+            try:
+                check_range(addr, int(sizes[index]), f"op {index} {side}")
+            except ParamInvalid as exc:
+                raise ParamInvalid(exc.args[0], failed=[index]) from None
+        raise ParamInvalid(f"op {index}: a range ends past 2**63 ({int(local[index]):#x}, "
+                           f"{int(remote[index]):#x} + {int(sizes[index])})", failed=[index])
+    return local, remote, sizes
+
+
+def _containing(table: AddressTable[Any], addrs: np.ndarray, sizes: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the range of `table` holding each op's start, whether it holds the whole
+    op), for every op at once."""
+    bases, ends, _ = table.arrays()
+    where = np.searchsorted(bases, addrs, side="right") - 1
+    if not bases.size:
+        return where, np.zeros(addrs.size, bool)
+    clipped = np.maximum(where, 0)
+    return clipped, (where >= 0) & (addrs + sizes <= ends[clipped])
+
+
+def _plain_ints(values: Sequence[Any]) -> bool:
+    return set(map(type, values)) <= {int}
+
+
+def _desc_arrays(descs: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A long list batch as op_arrays, or None when any field is not a plain int or any
+    desc is malformed (the scalar resolver then names the op and what is wrong)."""
+    if type(descs) is not list and type(descs) is not tuple:
+        return None
+    try:
+        if all(type(desc) is TransferOpDesc for desc in descs):
+            local = [desc.local_addr for desc in descs]
+            remote = [desc.remote_addr for desc in descs]
+            sizes = [desc.len for desc in descs]
+        else:
+            local, remote, sizes = (list(column) for column in zip(*descs, strict=True))
+            if len(local) != len(descs):
+                return None
+    except (TypeError, ValueError):
+        return None
+    if not (_plain_ints(local) and _plain_ints(remote) and _plain_ints(sizes)):
+        return None
+    try:
+        return op_arrays(np.array(local, np.int64), np.array(remote, np.int64),
+                         np.array(sizes, np.int64))
+    except (OverflowError, HixlError):
+        return None
+
+
+def _readonly_local(index: int, addr: int) -> PermissionDenied:
+    return PermissionDenied(f"op {index}: local memory at {addr:#x} is read-only; "
+                            "a READ cannot land in it", failed=[index])
+
+
+def _runs(segments: list[SegmentInfo], where: np.ndarray, local: np.ndarray,
+          remote: np.ndarray, sizes: np.ndarray, ops: np.ndarray) -> Runs:
+    """Checked ops of the mapped path as Runs: consecutive ops that continue each other
+    on both sides in one segment coalesced into one copy."""
+    nbytes = int(sizes.sum())
+    if local.size > 1:
+        joined = (local[1:] == local[:-1] + sizes[:-1]) & \
+            (remote[1:] == remote[:-1] + sizes[:-1]) & (where[1:] == where[:-1])
+        if joined.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+            sizes = np.add.reduceat(sizes, starts)
+            local, remote, where = local[starts], remote[starts], where[starts]
+    used, seg = np.unique(where, return_inverse=True)
+    return Runs([segments[slot] for slot in used.tolist()], seg.reshape(-1), local, remote,
+                sizes, ops, nbytes)
 
 
 @dataclass(eq=False)
@@ -849,6 +966,12 @@ class Engine:
         peer = self._peers.get(remote) or self._peer(remote)
         if op is not _WRITE and op is not _READ:
             op = _check_op(op)
+        arrays = _desc_arrays(descs) if (type(descs) is list or type(descs) is tuple) and \
+            len(descs) >= ARRAY_MIN_OPS else None
+        if arrays is not None:  # a long list: checked and copied as arrays (one mechanism)
+            runs, socket_items, nbytes = self._resolve_arrays(peer, op, *arrays, local_registered)
+            self._move(peer, op, runs, socket_items, nbytes, start, deadline)
+            return
         fabric_items, socket_items, nbytes = self._resolve(peer, op, descs, local_registered)
         # _move, inlined: this is the per-call overhead a 1 MiB fabric copy (~23 µs) pays
         if fabric_items:
@@ -874,13 +997,51 @@ class Engine:
                 raise
         _account(peer, op, fabric_items, socket_items, nbytes, start)
 
-    def _move(self, peer: _Peer, op: TransferOp, fabric_items: list[Item],
+    def transfer_arrays(self, remote: str, op: TransferOp, local_addrs: Any, remote_addrs: Any,
+                        lengths: Any, timeout: float = DEFAULT_TIMEOUT_S, *,
+                        local_registered: bool = True) -> None:
+        """`transfer` of a batch given as arrays: op i moves `lengths[i]` bytes between
+        `local_addrs[i]` and `remote_addrs[i]` (integer numpy arrays or sequences;
+        `lengths` may be one int for all).
+
+        Why: a batch of many pages is checked and resolved vectorised -- one table lookup
+        (np.searchsorted) for all ops, one permission check per segment, not per op --
+        and ops that continue each other on both sides are coalesced into one copy; on
+        the mapped path the copies are issued by one C-level loop. Same checks and errors
+        as `transfer` (the first bad op raises, by index, nothing moved); ops whose
+        segment is not mapped take the socket path as Items, as in `transfer`.
+        """
+        start = _monotonic()
+        deadline = self._deadline(timeout)
+        peer = self._peers.get(remote) or self._peer(remote)
+        op = _check_op(op)
+        local, remote_at, sizes = op_arrays(local_addrs, remote_addrs, lengths)
+        runs, socket_items, nbytes = self._resolve_arrays(peer, op, local, remote_at, sizes,
+                                                          local_registered)
+        self._move(peer, op, runs, socket_items, nbytes, start, deadline)
+
+    def transfer_arrays_async(self, remote: str, op: TransferOp, local_addrs: Any,
+                              remote_addrs: Any, lengths: Any, timeout: float = 30.0
+                              ) -> TransferRequest:
+        """`transfer_arrays` in the background, as `transfer_async`: checked now."""
+        start = _monotonic()
+        deadline = self._deadline(timeout)
+        peer = self._peer(remote)
+        op = _check_op(op)
+        local, remote_at, sizes = op_arrays(local_addrs, remote_addrs, lengths)
+        runs, socket_items, nbytes = self._resolve_arrays(peer, op, local, remote_at, sizes)
+        return self._launch(peer, op, runs, socket_items, nbytes, start, deadline, remote)
+
+    def _move(self, peer: _Peer, op: TransferOp, fabric_items: list[Item] | Runs | None,
               socket_items: list[Item], nbytes: int, start: float, deadline: float) -> None:
         """Move the resolved items (`transfer`'s second half; async calls run it later)."""
         if fabric_items:
             assert peer.fabric is not None and peer.fabric_traffic is not None
             try:
-                peer.fabric.transfer(op, fabric_items, deadline)
+                if type(fabric_items) is Runs:
+                    peer.fabric.transfer_runs(op, fabric_items, deadline)
+                else:
+                    peer.fabric.transfer(op, fabric_items, deadline)  # type: ignore[arg-type]
             except Exception as exc:
                 _failed(peer, peer.fabric_traffic[op], exc)
                 raise
@@ -891,7 +1052,7 @@ class Engine:
             except Exception as exc:
                 _failed(peer, peer.socket_traffic[op], exc)
                 raise
-        _account(peer, op, fabric_items, socket_items, nbytes, start)
+        _account(peer, op, fabric_items or [], socket_items, nbytes, start)
 
     @staticmethod
     def _deadline(timeout: float) -> float:
@@ -954,8 +1115,7 @@ class Engine:
             if not (l_base <= local_addr and local_addr + length <= l_end):
                 l_base, l_end, l_readonly = self._local_region(index, local_addr, length)
             if l_readonly and not writing:
-                raise PermissionDenied(f"op {index}: local memory at {local_addr:#x} is read-only; "
-                                       "a READ cannot land in it", failed=[index])
+                raise _readonly_local(index, local_addr)
             if not (r_base <= remote_addr and remote_addr + length <= r_end):
                 if not refreshed and peer.table.lookup(remote_addr) is None:
                     self._refresh(peer)  # segments allocated since connect
@@ -976,6 +1136,82 @@ class Engine:
             self._local_hint = (l_base, l_end, l_readonly)
         peer.hint = segment
         return fabric_items, socket_items, nbytes
+
+    def _resolve_arrays(self, peer: _Peer, op: TransferOp, local: np.ndarray,
+                        remote: np.ndarray, sizes: np.ndarray, local_registered: bool = True
+                        ) -> tuple[Runs | None, list[Item], int]:
+        """`_resolve` for arrays (from op_arrays): every op checked against both tables
+        before any byte moves, all at once. Returns (the mapped path's runs or None, the
+        socket path's items, bytes in all).
+
+        Each check is a mask over the ops; the first op failing any of them is checked
+        again by `_check_one`, the scalar resolver's checks in its order, so it raises
+        exactly what `transfer` raises for it.
+        """
+        if peer.view is not None:
+            self._follow_view(peer)
+        elif peer.stale:
+            peer.stale = False
+            self._refresh(peer)
+        writing = op is _WRITE
+        need = _NEED_WRITE if writing else _NEED_READ
+        bad = np.zeros(local.size, bool)
+        if local_registered:
+            region, held = _containing(self._local, local, sizes)
+            bad |= ~held
+            if not writing:
+                handles = self._local.arrays()[2]
+                readonly = np.fromiter((h.readonly for h in handles), bool, len(handles))
+                if readonly.any():
+                    bad |= held & readonly[region]
+        where, inside = _containing(peer.table, remote, sizes)
+        if not inside.all():
+            self._refresh(peer)  # segments allocated since connect (once per call)
+            where, inside = _containing(peer.table, remote, sizes)
+        bad |= ~inside
+        segments = peer.table.arrays()[2]
+        used = np.unique(where[inside]).tolist()  # one permission check per segment
+        mapped = np.zeros(len(segments), bool)
+        for slot in used:
+            segment = segments[slot]
+            if (segment.allowed_engines and self.name not in segment.allowed_engines) or \
+                    not int(segment.perms) & need:
+                bad |= where == slot
+            elif peer.fabric is not None:
+                mapped[slot] = segment.shareable
+        if bad.any():
+            index = int(np.argmax(bad))
+            self._check_one(peer, index, int(local[index]), int(remote[index]),
+                            int(sizes[index]), need, local_registered)
+            raise TransferFailed(f"op {index}: refused by the batch checks (internal: the "
+                                 "scalar checks accepted it)", failed=[index])
+        nbytes = int(sizes.sum())
+        on_fabric = mapped[where]
+        if on_fabric.all():
+            return _runs(segments, where, local, remote, sizes,
+                         np.arange(local.size)), [], nbytes
+        if peer.fabric is not None:
+            for slot in used:
+                if not mapped[slot]:
+                    self._tell_unmapped(peer, segments[slot])
+        fabric_ops = np.flatnonzero(on_fabric)
+        runs = _runs(segments, where[fabric_ops], local[fabric_ops], remote[fabric_ops],
+                     sizes[fabric_ops], fabric_ops) if fabric_ops.size else None
+        socket_ops = np.flatnonzero(~on_fabric)
+        socket_items = [Item(index, addr, segments[slot], at, length) for index, addr, slot, at, length
+                        in zip(socket_ops.tolist(), local[socket_ops].tolist(),
+                               where[socket_ops].tolist(), remote[socket_ops].tolist(),
+                               sizes[socket_ops].tolist(), strict=True)]
+        return runs, socket_items, nbytes
+
+    def _check_one(self, peer: _Peer, index: int, local_addr: int, remote_addr: int,
+                   length: int, need: int, local_registered: bool) -> None:
+        """The scalar checks of one op, in `_resolve`'s order: raise its error."""
+        if local_registered:
+            _, _, readonly = self._local_region(index, local_addr, length)
+            if readonly and need == _NEED_READ:
+                raise _readonly_local(index, local_addr)
+        self._remote_segment(peer, index, remote_addr, length, need, self.name)
 
     def _local_region(self, index: int, addr: int, length: int) -> tuple[int, int, bool]:
         """(base, end, readonly) of the registered local region holding the op."""
@@ -1015,6 +1251,14 @@ class Engine:
         peer = self._peer(remote)
         op = _check_op(op)
         fabric_items, socket_items, nbytes = self._resolve(peer, op, descs)
+        return self._launch(peer, op, fabric_items, socket_items, nbytes, start, deadline,
+                            remote)
+
+    def _launch(self, peer: _Peer, op: TransferOp, fabric_items: list[Item] | Runs | None,
+                socket_items: list[Item], nbytes: int, start: float, deadline: float,
+                remote: str) -> TransferRequest:
+        """Run resolved items as a request: small mapped batches at once, others on a
+        worker thread."""
         if not socket_items and nbytes <= INLINE_ASYNC_BYTES:
             # a few µs of memmove: done here, cheaper than waking a worker thread
             done: Future[None] = Future()

@@ -13,6 +13,8 @@ import operator
 from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
 
+import numpy as np
+
 from hixl.errors import OutOfRange, ParamInvalid
 
 T = TypeVar("T")
@@ -46,13 +48,26 @@ def _plain_ints(values: list[int]) -> bool:
 class AddressTable(Generic[T]):
     """Sorted, non-overlapping address ranges mapping to values."""
 
-    __slots__ = ("_bases", "_ends", "_values", "_last")
+    __slots__ = ("_bases", "_ends", "_values", "_last", "_arrays")
 
     def __init__(self) -> None:
         self._bases: list[int] = []
         self._ends: list[int] = []
         self._values: list[T] = []
         self._last: tuple[int, int, T] | None = None
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, list[T]]:
+        """(bases, ends, values): the table as int64 arrays, for vectorised lookups of a
+        whole batch (np.searchsorted); built once per change of the table."""
+        if self._arrays is None:
+            try:
+                self._arrays = (np.array(self._bases, np.int64), np.array(self._ends, np.int64))
+            except OverflowError:  # a raw range past 2**63 (no user-space address is)
+                top = (1 << 63) - 1
+                self._arrays = (np.array([min(b, top) for b in self._bases], np.int64),
+                                np.array([min(e, top) for e in self._ends], np.int64))
+        return *self._arrays, self._values
 
     @classmethod
     def bulk(cls, entries: Iterable[tuple[int, int, T]]) -> AddressTable[T]:
@@ -105,6 +120,7 @@ class AddressTable(Generic[T]):
         self._bases.insert(i, base)
         self._ends.insert(i, end)
         self._values.insert(i, value)
+        self._arrays = None
 
     def remove(self, base: int) -> T:
         i = bisect.bisect_left(self._bases, base)
@@ -113,6 +129,7 @@ class AddressTable(Generic[T]):
         del self._bases[i], self._ends[i]
         value = self._values.pop(i)
         self._last = None
+        self._arrays = None
         return value
 
     def copy(self) -> AddressTable[T]:
@@ -130,6 +147,7 @@ class AddressTable(Generic[T]):
         self._ends.clear()
         self._values.clear()
         self._last = None
+        self._arrays = None
 
     def get(self, base: int) -> T | None:
         """The value registered with exactly this base, or None."""

@@ -6,6 +6,8 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from hixl.types import SegmentInfo, TransferOp
 
 
@@ -23,6 +25,33 @@ class Item:
     segment: SegmentInfo
     remote_addr: int
     length: int
+
+
+@dataclass(slots=True, eq=False)
+class Runs:
+    """A batch given as arrays, already checked and resolved like Items, in one path.
+
+    Parallel int64 arrays, one entry per *run*: consecutive ops of the batch that continue
+    each other on both sides (and in one segment) are one run, so one copy. Run `i` moves
+    `lengths[i]` bytes between `local[i]` and `remote[i]` (owner address) inside
+    `segments[seg[i]]`. `ops` are the caller's op indexes the runs carry (for `.failed`),
+    `nbytes` their bytes in all.
+    """
+
+    segments: list[SegmentInfo]
+    seg: np.ndarray
+    local: np.ndarray
+    remote: np.ndarray
+    lengths: np.ndarray
+    ops: np.ndarray
+    nbytes: int
+
+    def __len__(self) -> int:
+        """The caller's ops in it (what traffic counts), not the runs."""
+        return len(self.ops)
+
+    def failed(self) -> list[int]:
+        return self.ops.tolist()
 
 
 class Transport(abc.ABC):

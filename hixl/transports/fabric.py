@@ -8,7 +8,9 @@ the kernel refuses stray writes). Every op was checked against the segment's own
 before it got here, so the bytes of a partial first or last page that lie outside the
 range are mapped but never touched.
 
-A transfer is one memmove per op. Around the copies it reads each segment's liveness
+A transfer is one memmove per op (per run of ops that continue each other, for an array
+batch: `transfer_runs`), issued by one C-level loop over the moves (hixl.memory.copy_moves,
+on several threads for large totals) -- no Python bytecode per op. Around the copies it reads each segment's liveness
 word (hixl.segment_states): a segment its owner deregistered, before or during the copy,
 fails the transfer with ParamInvalid instead of taking bytes into withdrawn memory. After
 the copies it checks, for ~1 µs, that the owner agent is still alive: a write into memory
@@ -21,21 +23,21 @@ references; the kernel mapping goes with the last one, when the last copy using 
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, TransferTimeout
-from hixl.memory import PARALLEL_COPY_MIN, FdGrant, Mapping, copy_moves
+from hixl.memory import FdGrant, Mapping, Move, array_moves, copy_moves
 from hixl.segment_states import StateView
-from hixl.transports.base import Item, Transport
+from hixl.transports.base import Item, Runs, Transport
 from hixl.types import Perm, SegmentInfo, TransferOp
 
-_memmove = ctypes.memmove
 _WRITE = TransferOp.WRITE  # a module constant: `TransferOp.WRITE` is a class lookup per call
 _GRANULE = mmap.ALLOCATIONGRANULARITY
 
@@ -118,16 +120,15 @@ class FabricTransport(Transport):
             "served there any more (register it again, then look it up anew)")
 
     def transfer(self, op: TransferOp, items: Sequence[Item], deadline: float) -> None:
+        """The ops of a list batch as moves (one mapping lookup per segment change), then
+        the same copy as `transfer_runs`."""
         if self._closed:
             raise NotConnected(f"fabric path to {self._peer} is closed")
         writing = op is _WRITE
-        if len(items) <= 64 and sum(item.length for item in items) >= PARALLEL_COPY_MIN:
-            self._copy_large(writing, items)  # a few large ops: copied on several threads
-            return
         segment: SegmentInfo | None = None
         delta = 0
         used: dict[int, _Mapped] = {}  # held until the copies are checked: never unmapped under us
-        done = 0
+        moves: list[Move] = []
         try:
             for item in items:
                 if item.segment is not segment:
@@ -135,40 +136,46 @@ class FabricTransport(Transport):
                     hit = used.get(segment.segment_id) or self.mapped(segment)
                     used[segment.segment_id] = hit
                     delta = hit.delta
-                if writing:
-                    _memmove(item.remote_addr + delta, item.local_addr, item.length)
-                else:
-                    _memmove(item.local_addr, item.remote_addr + delta, item.length)
-                done += 1
-                if done & 63 == 0 and time.monotonic() > deadline:
-                    raise TransferTimeout(f"fabric transfer with {self._peer} passed its deadline")
-        except HixlError as exc:
-            if not exc.failed:
-                exc.failed = [it.index for it in items[done:]]
-            raise
-        self._check_after(used, items)
-
-    def _copy_large(self, writing: bool, items: Sequence[Item]) -> None:
-        """A few ops of many bytes in all: one parallel copy (hixl.memory.copy_moves), then
-        the liveness checks. The copy is bounded memory work, so the deadline is not
-        polled inside it."""
-        moves = []
-        used: dict[int, _Mapped] = {}
-        try:
-            for item in items:
-                hit = used.get(item.segment.segment_id) or self.mapped(item.segment)
-                used[item.segment.segment_id] = hit
-                remote = item.remote_addr + hit.delta
+                remote = item.remote_addr + delta
                 moves.append((remote, item.local_addr, item.length) if writing
                              else (item.local_addr, remote, item.length))
         except HixlError as exc:
             if not exc.failed:
                 exc.failed = [it.index for it in items]
             raise
-        copy_moves(moves)
-        self._check_after(used, items)
+        self._copy(moves, used, deadline, lambda: [it.index for it in items])
 
-    def _check_after(self, used: dict[int, _Mapped], items: Sequence[Item]) -> None:
+    def transfer_runs(self, op: TransferOp, runs: Runs, deadline: float) -> None:
+        """An array batch: each segment mapped once, every run's mapped address computed
+        in one numpy operation, the copies issued by one C-level loop (copy_moves)."""
+        if self._closed:
+            raise NotConnected(f"fabric path to {self._peer} is closed")
+        used: dict[int, _Mapped] = {}
+        try:
+            for segment in runs.segments:
+                used[segment.segment_id] = self.mapped(segment)
+        except HixlError as exc:
+            if not exc.failed:
+                exc.failed = runs.failed()
+            raise
+        deltas = np.array([used[s.segment_id].delta for s in runs.segments], np.int64)
+        remote = runs.remote + deltas[runs.seg]
+        moves = array_moves(remote, runs.local, runs.lengths) if op is _WRITE \
+            else array_moves(runs.local, remote, runs.lengths)
+        self._copy(moves, used, deadline, runs.failed)
+
+    def _copy(self, moves: list[Move], used: dict[int, _Mapped], deadline: float,
+              failed: Callable[[], list[int]]) -> None:
+        """Copy every move (large totals on several threads, hixl.memory.copy_moves), then
+        the liveness checks. The copy is bounded memory work, so the deadline is checked
+        once, before it: a transfer past it moves nothing."""
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"fabric transfer with {self._peer} passed its deadline",
+                                  failed=failed())
+        copy_moves(moves)
+        self._check_after(used, failed)
+
+    def _check_after(self, used: dict[int, _Mapped], failed: Callable[[], list[int]]) -> None:
         """After the copies: each segment still served (so the copy finished before any
         deregistration), and its owner alive."""
         states = self._states
@@ -176,17 +183,17 @@ class FabricTransport(Transport):
             if not states.holds(hit.slot, hit.segment.segment_id):  # type: ignore[union-attr]
                 self._forget(hit)
                 error = self._gone(hit.segment, "during")
-                error.failed = [it.index for it in items]
+                error.failed = failed()
                 raise error
         if not self._fd_client.alive():
             if self._closed:  # our own disconnect closed the fd socket (after setting this)
                 raise NotConnected(
                     f"disconnected from {self._peer} during the transfer; whether every "
                     "byte landed is unknown: retry it once connected again",
-                    failed=[it.index for it in items])
+                    failed=failed())
             raise PeerUnavailable(
                 f"the agent owning {self._peer}'s segments died during the transfer; "
-                "the bytes did not reach a live segment", failed=[it.index for it in items])
+                "the bytes did not reach a live segment", failed=failed())
 
     def close(self) -> None:
         """Later transfers raise NotConnected; mappings go when no copy uses them."""
