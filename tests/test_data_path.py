@@ -456,6 +456,42 @@ def test_stopped_server_closes_pooled_connections(served: Served, tmp_path: Path
     transport.close()
 
 
+@pytest.mark.parametrize("op", [TransferOp.WRITE, TransferOp.READ])
+def test_single_op_on_a_pooled_connection_the_server_closed_runs_on_a_fresh_one(
+        served: Served, tmp_path: Path, kind: str, op: TransferOp) -> None:
+    """A lone op takes a pooled connection without polling it first; one the server
+    closed while it sat idle (here: the server stopped and a new one took its address)
+    fails before any reply, and the op runs once more on a fresh connection: the caller
+    sees success and exactly its bytes moved."""
+    info = served.add(1)
+    path = str(tmp_path / "s.sock")
+    first = DataServer(served.resolve, EPOCH, unix_path=path)
+    first.start()
+    port = int(first.tcp_address.rsplit(":", 1)[1])
+    transport = SocketTransport(address_of(first, kind))
+    local = ShmSegment(8192)
+    local.view()[:] = random.Random(7).randbytes(8192)
+    transport.transfer(TransferOp.WRITE, [Item(0, local.addr, info, info.base, 64)], deadline())
+    first.stop()
+    second = DataServer(served.resolve, EPOCH, unix_path=path, tcp_port=port)
+    second.start()
+    try:
+        before = served.bytes_of(1)
+        transport.transfer(op, [Item(3, local.addr + 4096, info, info.base + 8192, 4096)],
+                           deadline())
+        after = served.bytes_of(1)
+        if op == TransferOp.WRITE:
+            assert after[8192:12288] == bytes(local.view()[4096:8192])
+            assert after[:8192] == before[:8192] and after[12288:] == before[12288:]
+        else:
+            assert bytes(local.view()[4096:8192]) == before[8192:12288] == after[8192:12288]
+        assert second.counters["connections"] == 1  # the fresh one; the op ran there once
+        assert second.counters["ops_write" if op == TransferOp.WRITE else "ops_read"] == 1
+    finally:
+        transport.close()
+        second.stop()
+
+
 def silent_listener(kind: str, tmp_path: Path, *, mode: str) -> tuple[str, Callable]:
     """A server that accepts and then never replies ("silent"), answers only the HELLO
     ("after-hello"), or answers everything a byte per 20 ms ("trickle")."""
@@ -561,19 +597,23 @@ def scripted_server(kind: str, tmp_path: Path, answer: Callable[[socket.socket, 
         address = f"unix://{tmp_path / 'scripted.sock'}"
 
     def serve() -> None:
-        with contextlib.suppress(OSError):
-            while True:
+        while True:
+            try:
                 conn, _ = listener.accept()
-                with conn:
-                    while raw := recv_exactly(conn, wire.HEADER_SIZE):
-                        header = wire.decode_header(raw)
-                        if header.opcode in (wire.Op.HELLO, wire.Op.WRITE):
-                            recv_exactly(conn, header.length)
-                        if header.opcode == wire.Op.HELLO:
-                            conn.sendall(wire.Header(wire.Op.REPLY, header.request_id,
-                                                     epoch=EPOCH).pack())
-                        else:
-                            answer(conn, header)
+            except OSError:  # the listener was shut down: the test is over
+                return
+            # a client that writes to a connection this server left gets a reset: that
+            # connection is over, the next one is served
+            with conn, contextlib.suppress(OSError):
+                while raw := recv_exactly(conn, wire.HEADER_SIZE):
+                    header = wire.decode_header(raw)
+                    if header.opcode in (wire.Op.HELLO, wire.Op.WRITE):
+                        recv_exactly(conn, header.length)
+                    if header.opcode == wire.Op.HELLO:
+                        conn.sendall(wire.Header(wire.Op.REPLY, header.request_id,
+                                                 epoch=EPOCH).pack())
+                    else:
+                        answer(conn, header)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
