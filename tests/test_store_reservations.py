@@ -300,3 +300,27 @@ def test_reservations_never_take_more_than_a_quarter_of_a_segment() -> None:
     assert granted[-1].code == ErrorCode.NO_AVAILABLE_HANDLE
     [started] = store.put_start("writer", [("big", 40 * MiB)])
     assert started.code == OK                             # the rest is still there
+
+
+def test_an_exhausted_reservation_is_replaced_and_nothing_leaks(
+        master: MasterProcess, holder: HolderProcess) -> None:
+    """A 64 MiB holder: reservations of 8 MiB, values of 1 MiB, so 40 values need several
+    reservations; the spent ones are released, every value reads back, and once the
+    client closes only the values' blocks are used."""
+    store = pure_client(master)
+    values = {f"x{i}": pattern(200 + i, MiB - 100 * i) for i in range(40)}
+    try:
+        space = store._space
+        assert space is not None
+        for key, value in values.items():
+            assert store.put(key, value) == 0
+        assert space.commits == len(values)             # every one in one round trip
+        assert space.calls > len(values) + 1            # ... and several Reserve calls
+        for key, value in values.items():
+            assert store.get(key) == value, key
+    finally:
+        store.close()
+    blocks = sum((len(v) + 63) // 64 * 64 for v in values.values())
+    with client(master, "check") as check:
+        stats = eventually(check.stats, lambda s: s["reservations"] == 0, "release")
+        assert (stats["used"], stats["keys"]) == (blocks, len(values))
