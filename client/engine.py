@@ -170,7 +170,7 @@ def _unpack_desc(index: int, desc: Any) -> tuple[Any, Any, Any]:
     return local_addr, remote_addr, length
 
 
-def _op_array(values: Any, name: str) -> np.ndarray:
+def op_array(values: Any, name: str) -> np.ndarray:
     """One descriptor array as int64: 1-d, integer dtype, no value past 2**63 - 1."""
     array = np.asarray(values)
     if array.ndim != 1:
@@ -191,14 +191,14 @@ def op_arrays(local_addrs: Any, remote_addrs: Any, lengths: Any
     """(local, remote, lengths) as int64 arrays of one length, every op checked at once:
     positive lengths, non-negative addresses, no range past the 64-bit address space.
     `lengths` may be one int for every op. The first bad op raises, by index."""
-    local = _op_array(local_addrs, "local_addrs")
-    remote = _op_array(remote_addrs, "remote_addrs")
+    local = op_array(local_addrs, "local_addrs")
+    remote = op_array(remote_addrs, "remote_addrs")
     if isinstance(lengths, int | np.integer) and not isinstance(lengths, bool):
         if not 0 < lengths <= _INT64_MAX:
             raise ParamInvalid(f"length must be positive, got {lengths}", failed=[0])
         sizes = np.full(local.size, lengths, np.int64)
     else:
-        sizes = _op_array(lengths, "lengths")
+        sizes = op_array(lengths, "lengths")
     if not local.size == remote.size == sizes.size:
         raise ParamInvalid(f"descriptor arrays differ in length: {local.size} local_addrs, "
                            f"{remote.size} remote_addrs, {sizes.size} lengths")

@@ -117,6 +117,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -132,7 +133,7 @@ from hixl.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from hixl.memory import BufferRange, buffer_range, copy_moves, round_up
+from hixl.memory import BufferRange, array_moves, buffer_range, copy_moves, round_up
 from hixl.types import TransferOp, TransferOpDesc
 
 log = logging.getLogger("hixl.shmem")
@@ -337,6 +338,26 @@ class SymmetricObject:
 
 
 SymmetricTensor = SymmetricObject
+
+
+@dataclass(frozen=True)
+class ArrayBatch:
+    """Many moves between one `dst` and one `src`, as arrays: move i copies `lengths[i]`
+    bytes from byte `src_offsets[i]` of `src` to byte `dst_offsets[i]` of `dst`.
+
+    `dst` and `src` are what put/get take (for put_batch: `dst` symmetric, `src` any
+    contiguous local buffer; for get_batch the other way round); offsets and lengths are
+    integer arrays (numpy or sequences) of one length, `lengths` may be one int. Why:
+    the pages of a KV cache, a batch of hundreds of moves, are then checked with a few
+    numpy operations (one registration, one bounds check per array), not one Python call
+    per page; zero-length moves are skipped, as empty pairs are.
+    """
+
+    dst: Any
+    src: Any
+    dst_offsets: Any
+    src_offsets: Any
+    lengths: Any
 
 
 def _registration_of(obj: Any, buf: BufferRange) -> tuple[Any, BufferRange]:
@@ -637,20 +658,32 @@ class ShmemContext:
         base = self._peers[pe][1]
         return [TransferOpDesc(local, base + offset, nbytes) for local, offset, nbytes in moves]
 
-    def _transfer(self, pe: int, op: TransferOp, moves: Sequence[tuple[int, int, int]],
-                  timeout: float, what: str) -> None:
-        """One engine call for every move to `pe`; returns when all bytes moved."""
+    def _transfer(self, pe: int, op: TransferOp, moves: Any, timeout: float,
+                  what: str) -> None:
+        """One engine call for every move to `pe` (a list of (local address, symmetric
+        offset, length), or those three as arrays); returns when all bytes moved."""
+        engine, base, _ = self._peers[pe]
         try:
-            self._engine.transfer(self._peers[pe][0], op, self._descs(pe, moves), timeout)
+            if isinstance(moves, tuple):
+                local, offsets, sizes = moves
+                self._engine.transfer_arrays(engine, op, local, offsets + base, sizes, timeout)
+            else:
+                self._engine.transfer(engine, op, self._descs(pe, moves), timeout)
         except HixlError as exc:
             raise self._named(exc, pe, what) from exc
 
-    def _start(self, pe: int, op: TransferOp, moves: Sequence[tuple[int, int, int]],
-               timeout: float, what: str) -> Any:
-        """One engine request for every move to `pe`, tracked until `quiet`."""
+    def _start(self, pe: int, op: TransferOp, moves: Any, timeout: float, what: str) -> Any:
+        """One engine request for every move to `pe` (as in `_transfer`), tracked until
+        `quiet`."""
+        engine, base, _ = self._peers[pe]
         try:
-            request = self._engine.transfer_async(self._peers[pe][0], op,
-                                                  self._descs(pe, moves), timeout)
+            if isinstance(moves, tuple):
+                local, offsets, sizes = moves
+                request = self._engine.transfer_arrays_async(engine, op, local, offsets + base,
+                                                             sizes, timeout)
+            else:
+                request = self._engine.transfer_async(engine, op, self._descs(pe, moves),
+                                                      timeout)
         except HixlError as exc:
             raise self._named(exc, pe, what) from exc
         with self._lock:
@@ -736,18 +769,19 @@ class ShmemContext:
         """`get` that returns at once; `dst` holds the data after `quiet`."""
         self._get(dst, src, pe, timeout, blocking=False)
 
-    def put_batch(self, pairs: Sequence[tuple[Any, Any]], pe: int, *, nbi: bool = False,
-                  timeout: float | None = None) -> None:
+    def put_batch(self, pairs: Sequence[tuple[Any, Any]] | ArrayBatch, pe: int, *,
+                  nbi: bool = False, timeout: float | None = None) -> None:
         """Many puts to PE `pe` in one engine call: `pairs` is [(dst, src), ...], each as
-        in `put`. Every pair is checked before any byte moves (a bad one raises, naming its
-        index, with nothing moved). `nbi=True` returns at once, as put_nbi (complete with
-        `quiet`). Pairs whose destinations overlap land in no defined order."""
+        in `put`, or an `ArrayBatch` (offset arrays into one dst and one src). Every move
+        is checked before any byte moves (a bad one raises, naming its index, with nothing
+        moved). `nbi=True` returns at once, as put_nbi (complete with `quiet`). Moves whose
+        destinations overlap land in no defined order."""
         self._batch("put_batch", pairs, pe, timeout, nbi)
 
-    def get_batch(self, pairs: Sequence[tuple[Any, Any]], pe: int, *, nbi: bool = False,
-                  timeout: float | None = None) -> None:
+    def get_batch(self, pairs: Sequence[tuple[Any, Any]] | ArrayBatch, pe: int, *,
+                  nbi: bool = False, timeout: float | None = None) -> None:
         """Many gets from PE `pe` in one engine call: `pairs` is [(dst, src), ...], each as
-        in `get`; checked, and `nbi`, as in put_batch."""
+        in `get`, or an `ArrayBatch`; checked, and `nbi`, as in put_batch."""
         self._batch("get_batch", pairs, pe, timeout, nbi)
 
     def _batch(self, what: str, pairs: Any, pe: int, timeout: float | None,
@@ -757,13 +791,16 @@ class ShmemContext:
             self._check_open()
             pe = self._check_pe(pe)
             wait = self._timeout(timeout)
-            moves = self._batch_moves(what, pairs, pe, writing)
-            if not moves:
+            if isinstance(pairs, ArrayBatch):
+                moves: Any = self._array_moves(what, pairs, pe, writing)
+                empty = not moves[0].size
+            else:
+                moves = self._batch_moves(what, pairs, pe, writing)
+                empty = not moves
+            if empty:
                 return
             if pe == self.my_pe:
-                heap = self._heap_addr
-                copy_moves([(heap + offset, local, n) if writing else (local, heap + offset, n)
-                            for local, offset, n in moves])
+                self._copy_here(moves, writing)
             else:
                 op = TransferOp.WRITE if writing else TransferOp.READ
                 where = f"{what}{' (nbi)' if nbi else ''} {'to' if writing else 'from'}"
@@ -772,6 +809,59 @@ class ShmemContext:
                 else:
                     self._transfer(pe, op, moves, wait, where)
             self._trim_cache()  # the batch resolved without evicting (see _register)
+
+    def _copy_here(self, moves: Any, writing: bool) -> None:
+        """A batch to this PE: local copies (list moves, or the arrays of an ArrayBatch)."""
+        heap = self._heap_addr
+        if isinstance(moves, tuple):
+            local, offsets, sizes = moves
+            heap_at = offsets + heap
+            copy_moves(array_moves(heap_at, local, sizes) if writing
+                       else array_moves(local, heap_at, sizes))
+            return
+        copy_moves([(heap + offset, local, n) if writing else (local, heap + offset, n)
+                    for local, offset, n in moves])
+
+    def _array_moves(self, what: str, batch: ArrayBatch, pe: int, writing: bool
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(local addresses, symmetric offsets, lengths) of an ArrayBatch's non-empty
+        moves, every one checked first with a few array operations: one registration of
+        the local buffer, one bounds check per side. A bad move raises naming its index."""
+        from hixl.client.engine import op_array
+
+        remote, local = (batch.dst, batch.src) if writing else (batch.src, batch.dst)
+        remote_name, local_name = ("dst", "src") if writing else ("src", "dst")
+        try:
+            offset, room = self._symmetric(remote, remote_name)
+            addr, nbytes = self._local(local, local_name, writable=not writing, evict=False)
+            remote_at = op_array(batch.dst_offsets if writing else batch.src_offsets,
+                                 f"{remote_name}_offsets")
+            local_at = op_array(batch.src_offsets if writing else batch.dst_offsets,
+                                f"{local_name}_offsets")
+            lengths = batch.lengths
+            if isinstance(lengths, int | np.integer) and not isinstance(lengths, bool):
+                sizes = np.full(remote_at.size, int(lengths), np.int64)
+            else:
+                sizes = op_array(lengths, "lengths")
+            if not remote_at.size == local_at.size == sizes.size:
+                raise ParamInvalid(f"offset and length arrays differ in length: "
+                                   f"{remote_at.size} {remote_name}_offsets, {local_at.size} "
+                                   f"{local_name}_offsets, {sizes.size} lengths")
+            for at, name, limit in ((remote_at, remote_name, room), (local_at, local_name, nbytes)):
+                bad = (sizes < 0) | (at < 0) | (at > limit - np.maximum(sizes, 0))
+                if bad.any():
+                    index = int(np.argmax(bad))
+                    start, size = int(at[index]), int(sizes[index])
+                    cls = ParamInvalid if size < 0 or start < 0 else OutOfRange
+                    raise cls(f"move {index}: {name} range [{start}, +{size}) is not inside its "
+                              f"{limit}-byte {name}", failed=[pe])
+        except HixlError as exc:
+            raise type(exc)(f"{what}: {exc.args[0]} (nothing moved)",
+                            failed=[pe]) from None
+        keep = sizes > 0
+        if not keep.all():
+            local_at, remote_at, sizes = local_at[keep], remote_at[keep], sizes[keep]
+        return local_at + addr, remote_at + offset, sizes
 
     def _batch_moves(self, what: str, pairs: Any, pe: int,
                      writing: bool) -> list[tuple[int, int, int]]:
@@ -1286,12 +1376,12 @@ def get_nbi(dst: Any, src: Any, pe: int, *, timeout: float | None = None) -> Non
     _ctx().get_nbi(dst, src, pe, timeout=timeout)
 
 
-def put_batch(pairs: Sequence[tuple[Any, Any]], pe: int, *, nbi: bool = False,
+def put_batch(pairs: Sequence[tuple[Any, Any]] | ArrayBatch, pe: int, *, nbi: bool = False,
               timeout: float | None = None) -> None:
     _ctx().put_batch(pairs, pe, nbi=nbi, timeout=timeout)
 
 
-def get_batch(pairs: Sequence[tuple[Any, Any]], pe: int, *, nbi: bool = False,
+def get_batch(pairs: Sequence[tuple[Any, Any]] | ArrayBatch, pe: int, *, nbi: bool = False,
               timeout: float | None = None) -> None:
     _ctx().get_batch(pairs, pe, nbi=nbi, timeout=timeout)
 
@@ -1328,7 +1418,7 @@ def clear(sym: Any) -> None:
 
 __all__ = [
     "ADD", "EQ", "GE", "GT", "LE", "LT", "NE", "SET",
-    "Cmp", "ShmemContext", "SignalOp", "SymmetricObject", "SymmetricSignal",
+    "ArrayBatch", "Cmp", "ShmemContext", "SignalOp", "SymmetricObject", "SymmetricSignal",
     "SymmetricTensor", "SymmetryError",
     "barrier_all", "clear", "create_signal", "create_tensor", "finalize", "get", "get_batch",
     "get_nbi", "init", "malloc", "my_pe", "n_pes", "put", "put_batch", "put_nbi", "put_signal",

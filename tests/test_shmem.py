@@ -189,6 +189,26 @@ def test_put_batch_and_get_batch_move_many_pairs_per_call_and_check_all_first(
         assert result["nothing_moved"] is True
 
 
+@pytest.mark.parametrize(("n_pes", "local_paths"), [(3, True), (2, False)],
+                         ids=["3pes-mapped", "2pes-tcp"])
+def test_array_batches_move_offset_arrays_per_call_and_check_all_first(
+        pes, n_pes: int, local_paths: bool) -> None:
+    for result in [proc.result() for proc in pes("array_batch", n_pes, local_paths=local_paths)]:
+        for key in ("put_bad", "put_nbi_bad", "get_bad"):
+            assert result[key] == [], (result["pe"], key, result[key])
+        expect(result, "unequal", "ParamInvalid", "put_batch", "differ in length",
+               "40 dst_offsets, 39 src_offsets", "nothing moved")
+        expect(result, "float", "ParamInvalid", "put_batch", "lengths must be an integer "
+               "array", "float64")
+        expect(result, "negative", "ParamInvalid", "put_batch: move 3", "+-1")
+        expect(result, "dst_outside", "OutOfRange", "put_batch: move 25: dst range "
+               "[166390, +4160) is not inside its 166400-byte dst")
+        expect(result, "src_outside", "OutOfRange", "put_batch: move 7: src range "
+               "[166400, +4160)")
+        expect(result, "not_symmetric", "ParamInvalid", "put_batch", "not symmetric")
+        assert result["nothing_moved"] is True
+
+
 def test_a_killed_pe_makes_the_waiters_fail_with_peer_unavailable(pes) -> None:
     victim = 2
     procs = pes("wait_for_victim", 3, victim=victim, lease_ttl_ms=1000, wait_timeout=30)

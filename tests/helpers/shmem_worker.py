@@ -320,6 +320,75 @@ def batch(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def array_batch(job: dict[str, Any]) -> dict[str, Any]:
+    """put_batch/get_batch with an ArrayBatch (offset arrays) to every PE, itself too,
+    blocking and nbi; rows in a shuffled order with a run of neighbours (coalesced);
+    bad arrays raise naming the first bad move, nothing moved."""
+    out: dict[str, Any] = {"pe": job["pe"]}
+    with shmem.ShmemContext(job["pe"], job["n_pes"], job["bootstrap"], "8MiB",
+                            **options(job)) as ctx:
+        n, me = ctx.n_pes, ctx.my_pe
+        shape = (n, BATCH_ROWS, BATCH_ROW)
+        box, box_nbi, untouched = (ctx.create_tensor(shape, np.uint8, name=name)
+                                   for name in ("box", "box-nbi", "untouched"))
+        rng = np.random.default_rng(me)
+        order = np.concatenate([np.arange(10, 20), rng.permutation(
+            np.setdiff1d(np.arange(BATCH_ROWS), np.arange(10, 20)))])
+        partial = np.array([1 + (r * 997) % BATCH_ROW for r in range(BATCH_ROWS)])
+
+        def rows(kind: int, sender: int, target: int) -> np.ndarray:
+            return pattern(seed(kind, sender, target), BATCH_ROWS * BATCH_ROW).reshape(
+                BATCH_ROWS, BATCH_ROW)
+
+        sources = {t: (rows(7, me, t), rows(8, me, t)) for t in range(n)}
+        at = order * BATCH_ROW
+        for t in range(n):
+            whole, part = sources[t]
+            ctx.put_batch(shmem.ArrayBatch(box[me], whole, at, at, BATCH_ROW), t)
+            ctx.put_batch(shmem.ArrayBatch(box_nbi[me], part, at, at, partial[order]), t,
+                          nbi=True)
+        ctx.quiet()
+        ctx.barrier_all()
+        out["put_bad"] = [j for j in range(n) if not np.array_equal(box.local[j], rows(7, j, me))]
+        out["put_nbi_bad"] = [j for j in range(n) if not np.array_equal(
+            box_nbi.local[j], box_nbi_expected(rows(8, j, me), lambda r: partial[r]))]
+        out["get_bad"] = []
+        cells = (np.arange(n)[:, None] * BATCH_ROWS + order[None, :]).ravel() * BATCH_ROW
+        for t in range(n):
+            landing = np.zeros(shape, np.uint8)
+            ctx.get_batch(shmem.ArrayBatch(landing, box, cells, cells, BATCH_ROW), t,
+                          nbi=t % 2 == 1)
+            ctx.quiet()
+            out["get_bad"] += [[t, j] for j in range(n)
+                               if not np.array_equal(landing[j], rows(7, j, t))]
+        right = (me + 1) % n
+        src = sources[right][0]
+        good = np.arange(BATCH_ROWS) * BATCH_ROW
+
+        def refused(dst_at: Any, src_at: Any, lengths: Any, nbi: bool = False) -> dict[str, Any]:
+            return expect_error(lambda: ctx.put_batch(
+                shmem.ArrayBatch(untouched[me], src, dst_at, src_at, lengths), right, nbi=nbi))
+
+        def with_at(array: np.ndarray, index: int, value: int) -> np.ndarray:
+            changed = np.array(array)
+            changed[index] = value
+            return changed
+
+        out["unequal"] = refused(good, good[:-1], BATCH_ROW)
+        out["float"] = refused(good, good, np.full(BATCH_ROWS, 1.0 * BATCH_ROW))
+        out["negative"] = refused(good, good, with_at(np.full(BATCH_ROWS, BATCH_ROW), 3, -1))
+        out["dst_outside"] = refused(with_at(good, 25, BATCH_ROWS * BATCH_ROW - 10), good,
+                                     BATCH_ROW, nbi=True)
+        out["src_outside"] = refused(good, with_at(good, 7, src.nbytes), BATCH_ROW)
+        out["not_symmetric"] = expect_error(lambda: ctx.put_batch(
+            shmem.ArrayBatch(np.zeros(8, np.uint8), src, [0], [0], 8), right))
+        ctx.put_batch(shmem.ArrayBatch(untouched[me], src, good[:0], good[:0], 8), right)
+        ctx.put_batch(shmem.ArrayBatch(untouched[me], src, good, good, 0), right)  # all empty
+        ctx.barrier_all()
+        out["nothing_moved"] = bool(not untouched.local.any())
+    return out
+
+
 def box_nbi_expected(full: np.ndarray, lengths: Any) -> np.ndarray:
     """What box-nbi holds for one sender: each row's first lengths(r) bytes, zeros after."""
     expected = np.zeros_like(full)
@@ -419,7 +488,7 @@ def finalize_early(job: dict[str, Any]) -> dict[str, Any]:
 
 
 SCENARIOS = {"core": core, "errors": errors, "wait_for_victim": wait_for_victim,
-             "init_only": init_only, "batch": batch, "last_barrier": last_barrier,
+             "init_only": init_only, "batch": batch, "array_batch": array_batch, "last_barrier": last_barrier,
              "finalize_early": finalize_early}
 
 
