@@ -104,8 +104,9 @@ def agent_status(target: str, *, token: bytes | None, timeout: float,
         report["problems"].append(f"agent {target}: status {health['status']}")
     if registry["mode"] == "master" and not registry["published"]:
         report["problems"].append(
-            f"agent {target}: its table is not published to master {registry['target']}"
-            f" ({registry['failures']} failed attempts: {registry['last_error'] or '?'})")
+            f"agent {target}: not published to master {registry['target']}: "
+            f"{registry['last_error'] or '?'} ({registry['failures']} failed attempts; peers "
+            "that look it up in the registry cannot find it)")
     report["ok"] = not report["problems"]
     return report
 
@@ -348,8 +349,8 @@ def _format_agent(agent: dict[str, Any]) -> list[str]:
         reg = (f"master {registry['target']}: "
                + (f"published, lease {registry['lease_id']}, last renewed "
                   f"{_age(registry['last_success_age_s'])} ago" if registry["published"]
-                  else f"NOT published ({registry['failures']} failures: "
-                       f"{registry['last_error'] or '?'})"))
+                  else f"not published: {registry['last_error'] or '?'} "
+                       f"({registry['failures']} failed attempts)"))
     else:
         reg = "none"
     lines = [

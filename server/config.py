@@ -268,6 +268,13 @@ def _as_size(value: object, text: bool) -> int:
         raise ValueError(exc.args[0]) from None
 
 
+def _as_pool_size(value: object, text: bool) -> int:
+    """A size, or 0 / "0" / "" for none (the 'pool' list applies)."""
+    if value in (0, "0", "") or (isinstance(value, str) and not value.strip()):
+        return 0
+    return _as_size(value, text)
+
+
 def _as_mode(value: object, text: bool) -> int:
     """A file mode: an int (YAML reads 0660 as octal) or octal text "0660" / "0o660"."""
     if isinstance(value, str):
@@ -385,6 +392,7 @@ class AgentConfig:
     state_dir: str = field(default_factory=default_state_dir)
     node_id: str = field(default_factory=node_identity)
     pool: list[PoolEntry] = field(default_factory=list)
+    pool_size: int = 0
     pool_max_bytes: int = 1 << 30
     max_segments: int = MAX_SEGMENTS
     master: str = ""
@@ -405,6 +413,8 @@ class AgentConfig:
         # server reads an empty set as "every uid"
         if not self.allowed_uids:
             self.allowed_uids = _default_uids()
+        if self.pool_size:  # the shorthand wins over any list, wherever either was set
+            self.pool = [PoolEntry("pool", self.pool_size, Perm.RW)]
 
     # key -> converter, documentation, type; kept beside the fields and checked to match.
     KEYS = {
@@ -462,6 +472,11 @@ class AgentConfig:
                      "allowed_engines: the engine names that may reach the segment, on "
                      "every path; omitted or empty: every engine). Not charged to "
                      "pool_max_bytes.", "list"),
+        "pool_size": _key(_as_pool_size,
+                          "Shorthand for `pool: [{name: pool, size: SIZE, perms: rw}]`: one "
+                          "read-write pool segment named 'pool' of SIZE (e.g. 4GiB); when "
+                          "set it replaces any 'pool' list. 0 (default): the 'pool' list.",
+                          "size"),
         "pool_max_bytes": _key(_as_size,
                                "Budget for segments clients allocate at run time "
                                "(AllocateSegment); default 1GiB.", "size"),

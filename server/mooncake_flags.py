@@ -1,4 +1,4 @@
-"""mooncake_master's command line, for hixl-master: gflags spellings and Mooncake's flags.
+"""gflags spellings for hixl's daemons, and mooncake_master's flags for hixl-master.
 
 Launch scripts start `mooncake_master` with gflags syntax and Mooncake's flag names;
 `translate` turns such a command line into the one hixl-master's argparse parser reads,
@@ -12,6 +12,10 @@ so those scripts run unchanged:
   them) or are translated here (`-v`, `--ha_backend_*`, `--config_path`); the RDMA, SSD,
   CXL, snapshot, event and task flags are accepted and reported as unused (`UNUSED`);
 - an unknown flag is refused naming the closest real one.
+
+hixl-agent reads its command line through the same `translate` with `mooncake=False`:
+gflags' and both dash/underscore spellings, `--flagfile`, closest-flag suggestions, and
+no mooncake_master names.
 
 The parser stays the single source of what hixl-master means by a flag (its help, types
 and config keys); this module only knows Mooncake's names and gflags' syntax.
@@ -41,7 +45,7 @@ _DURATION_MS = {None: 1, "ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
 
 
 class FlagError(ValueError):
-    """A command line hixl-master cannot take; the message names the flag and the fix."""
+    """A command line a daemon cannot take; the message names the flag and the fix."""
 
 
 def parse_bool(text: str) -> bool:
@@ -181,17 +185,28 @@ def _flag_table(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return table
 
 
-def _is_bool(action: argparse.Action) -> bool:
-    return isinstance(action, BoolFlag) or action.nargs == 0
+@dataclass(frozen=True)
+class _Vocabulary:
+    """Whose command line is read: its flags, its program name (for the hint), and
+    whether mooncake_master's names are taken too."""
+
+    table: dict[str, argparse.Action]
+    prog: str
+    mooncake: bool
 
 
-def _closest(name: str, table: dict[str, argparse.Action]) -> str:
-    names = [*table, *UNUSED, "v", "config_path", "flagfile", "ha_backend_type",
-             "ha_backend_connstring"]
+def _closest(token: str, vocabulary: _Vocabulary) -> str:
+    """The nearest real flag, spelt in the token's style (dashes or underscores)."""
+    written = token.lstrip("-").partition("=")[0]
+    name = _canonical(written)
+    names = [*vocabulary.table, "flagfile"]
+    if vocabulary.mooncake:
+        names += [*UNUSED, "v", "config_path", "ha_backend_type", "ha_backend_connstring"]
     found = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     if not found:
-        return " (hixl-master --help lists the flags)"
-    return f"; did you mean --{found[0]}?"
+        return f" ({vocabulary.prog} --help lists the flags)"
+    dashed = "-" in written and "_" not in written
+    return f"; did you mean --{found[0].replace('_', '-') if dashed else found[0]}?"
 
 
 def _check_unused_value(token: str, kind: str, value: str) -> None:
@@ -244,17 +259,19 @@ def _flagfile_flags(path: str) -> list[str]:
             if line.strip() and not line.lstrip().startswith("#")]
 
 
-def translate(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Translation:
-    """hixl-master's command line for `argv` in any spelling gflags or argparse takes.
+def translate(parser: argparse.ArgumentParser, argv: Sequence[str],
+              mooncake: bool = True) -> Translation:
+    """`parser`'s command line for `argv` in any spelling gflags or argparse takes (and
+    mooncake_master's flag names when `mooncake`: hixl-master's).
 
     Known flags come out as `--option=value` (the option's first spelling, so argparse's
     own checks name it); `--config_path` flags come first, so the command line wins.
     FlagError names an unknown flag (and the closest real one) or a missing value.
     """
-    table = _flag_table(parser)
+    vocabulary = _Vocabulary(_flag_table(parser), parser.prog, mooncake)
     result = Translation()
     front: list[str] = []
-    _translate(table, list(argv), result, front, depth=0)
+    _translate(vocabulary, list(argv), result, front, depth=0)
     result.argv = front + result.argv
     return result
 
@@ -295,8 +312,9 @@ class _Flag:
         return following
 
 
-def _translate(table: dict[str, argparse.Action], argv: list[str], result: Translation,
+def _translate(vocabulary: _Vocabulary, argv: list[str], result: Translation,
                front: list[str], depth: int) -> None:
+    table = vocabulary.table
     out = result.argv
     tokens = _Tokens(argv)
     while (token := tokens.pop()) is not None:
@@ -313,38 +331,66 @@ def _translate(table: dict[str, argparse.Action], argv: list[str], result: Trans
             continue
         action = table.get(flag.name)
         if action is not None:
-            if _is_bool(action):
+            if isinstance(action, BoolFlag):
                 word = "true" if flag.value is None else flag.value
                 out.append(f"{action.option_strings[0]}={word}")
+            elif action.nargs == 0:  # --version and the like: a bare flag, or =true
+                if flag.value is None or _flag_bool(flag):
+                    out.append(action.option_strings[0])
             else:
                 out.append(f"{action.option_strings[0]}={flag.value_or_next(tokens)}")
             continue
-        if not (_negation(table, flag, result) or _mooncake_only(table, flag, tokens, result,
-                                                                 front, depth)):
-            raise FlagError(f"unknown flag {token}{_closest(flag.name, table)}")
+        if not (_negation(vocabulary, flag, result)
+                or _mooncake_only(vocabulary, flag, tokens, result, front, depth)):
+            raise FlagError(f"unknown flag {token}{_closest(token, vocabulary)}")
 
 
-def _negation(table: dict[str, argparse.Action], flag: _Flag, result: Translation) -> bool:
-    """gflags' `--noflag` for a boolean flag: hixl's set false, or an unused one noted."""
+def _flag_bool(flag: _Flag) -> bool:
+    try:
+        return parse_bool(flag.value or "")
+    except argparse.ArgumentTypeError as exc:
+        raise FlagError(f"{flag.token}: {exc}") from None
+
+
+def _negation(vocabulary: _Vocabulary, flag: _Flag, result: Translation) -> bool:
+    """gflags' `--noflag` (also `--no-flag`) for a boolean flag: ours set false, or an
+    unused mooncake_master one noted."""
+    table = vocabulary.table
     negated = flag.name[2:].lstrip("_") if flag.name.startswith("no") else ""
     if not negated or flag.value is not None:
         return False
     target = table.get(negated)
-    if target is not None and _is_bool(target):
+    if isinstance(target, BoolFlag):
         result.argv.append(f"{target.option_strings[0]}=false")
         return True
-    unused = UNUSED.get(negated)
+    unused = UNUSED.get(negated) if vocabulary.mooncake else None
     if unused is not None and unused.kind == "bool":
         result.unused.append(f"--{negated}: accepted, not used: {unused.why}")
         return True
     return False
 
 
-def _mooncake_only(table: dict[str, argparse.Action], flag: _Flag, tokens: _Tokens,
+def _mooncake_only(vocabulary: _Vocabulary, flag: _Flag, tokens: _Tokens,
                    result: Translation, front: list[str], depth: int) -> bool:
-    """A mooncake_master flag with no hixl-master flag of its name: translated into
-    hixl's (True), noted as unused (True), or not one of Mooncake's (False)."""
+    """A gflags or mooncake_master flag with no flag of its name in the parser:
+    translated into ours (True), noted as unused (True), or not known (False)."""
+    table = vocabulary.table
     out = result.argv
+    if flag.name == "flagfile" or vocabulary.mooncake and flag.name == "config_path":
+        path = flag.value_or_next(tokens)
+        if depth >= MAX_FLAGFILE_DEPTH:
+            raise FlagError(f"{flag.token}: files naming files more than "
+                            f"{MAX_FLAGFILE_DEPTH} deep")
+        if flag.name == "config_path":  # lowest precedence: in front of the command line
+            nested = Translation()
+            _translate(vocabulary, _config_file_flags(path), nested, front, depth + 1)
+            front.extend(nested.argv)
+            result.unused.extend(nested.unused)
+        else:  # gflags reads a flagfile in place
+            _translate(vocabulary, _flagfile_flags(path), result, front, depth + 1)
+        return True
+    if not vocabulary.mooncake:
+        return False
     if flag.name == "v":  # glog verbosity: any level above 0 is hixl's DEBUG
         level = flag.value_or_next(tokens)
         try:
@@ -365,19 +411,6 @@ def _mooncake_only(table: dict[str, argparse.Action], flag: _Flag, tokens: _Toke
     if flag.name == "ha_backend_connstring":
         out.append(f"{table['etcd_endpoints'].option_strings[0]}="
                    f"{flag.value_or_next(tokens)}")
-        return True
-    if flag.name in ("config_path", "flagfile"):
-        path = flag.value_or_next(tokens)
-        if depth >= MAX_FLAGFILE_DEPTH:
-            raise FlagError(f"{flag.token}: files naming files more than "
-                            f"{MAX_FLAGFILE_DEPTH} deep")
-        if flag.name == "config_path":  # lowest precedence: in front of the command line
-            nested = Translation()
-            _translate(table, _config_file_flags(path), nested, front, depth + 1)
-            front.extend(nested.argv)
-            result.unused.extend(nested.unused)
-        else:  # gflags reads a flagfile in place
-            _translate(table, _flagfile_flags(path), result, front, depth + 1)
         return True
     unused = UNUSED.get(flag.name)
     if unused is None:

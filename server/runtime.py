@@ -68,6 +68,9 @@ def _stop_background_agents() -> None:
 
 
 START_TIMEOUT_S = 60.0  # pool segments are pre-faulted at start: large pools take a while
+#: while publishing fails, a WARNING this often (the first failure's at once): an agent
+#: nobody can find must not look healthy in a log that only shows the start
+UNPUBLISHED_WARN_EVERY_S = 30.0
 
 #: let clients ping idle watch streams (a dead agent is noticed) without being penalised
 SERVER_OPTIONS: list[tuple[str, int]] = [
@@ -118,6 +121,8 @@ class Publisher:
         self._failures = 0
         self._thread = threading.Thread(target=self._run, name="hixl-publisher", daemon=True)
         self.published = threading.Event()  # set after the first successful publish
+        self.attempted = threading.Event()  # set once the first publish succeeded or failed
+        self._last_warning: float | None = None  # time.monotonic() of the last WARNING
         self._last_error = ""
         self._last_success: float | None = None  # time.monotonic() of the last success
         self.counters = {"registry_publishes": 0, "registry_keepalives": 0,
@@ -139,21 +144,35 @@ class Publisher:
         while not self._stop.is_set():
             try:
                 self._step()
+                if self._failures:
+                    log.warning("registry %s: published again after %d failed attempts",
+                                self._where, self._failures)
                 self._failures = 0
                 self._last_error = ""
+                self._last_warning = None
                 self._last_success = time.monotonic()
                 wait = interval
             except Exception as exc:  # noqa: BLE001 - log, back off, retry
                 self._failures += 1
                 self._last_error = str(exc)
                 self.counters["registry_failures"] += 1
-                level = logging.WARNING if self._failures in (1, 10) or (
-                    self._failures % 100 == 0) else logging.DEBUG
-                log.log(level, "registry %s: %s (attempt %d; retrying)", self._where, exc,
-                        self._failures)
+                self._log_failure(exc)
                 wait = min(interval, 0.2 * 2 ** min(self._failures, 5))
+            self.attempted.set()
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _log_failure(self, exc: Exception) -> None:
+        """A WARNING on the first failure and every UNPUBLISHED_WARN_EVERY_S while it
+        lasts (DEBUG between): the state stays visible without flooding the log."""
+        now = time.monotonic()
+        due = self._last_warning is None or now - self._last_warning >= UNPUBLISHED_WARN_EVERY_S
+        if due:
+            self._last_warning = now
+        log.log(logging.WARNING if due else logging.DEBUG,
+                "registry %s: not published: %s (attempt %d; retrying; peers that look "
+                "this agent up in the registry cannot find it meanwhile)", self._where, exc,
+                self._failures)
 
     def _step(self) -> None:
         if self._lease is not None and not self._dirty:
@@ -280,7 +299,8 @@ class AgentServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._stop_event.set)
             if on_ready is not None:
-                on_ready(self)
+                # off the loop: it may wait for the first publish (AgentServer.publication)
+                self._loop.run_in_executor(None, on_ready, self)
 
         self._run_loop(ready)
         if self._error is not None:
@@ -426,11 +446,13 @@ class AgentServer:
                                        registry_target[1], published, owner_key)
             self.publisher.start()
         log.info("agent %s serving: data=%s unix=%s fd=%s epoch=%d node=%s registry=%s "
-                 "grpc=%s handshake=%gs preauth=%d/listener max_segments=%d",
+                 "grpc=%s cluster_token=%s handshake=%gs preauth=%d/listener "
+                 "max_segments=%d",
                  self.engine_name, self.endpoints.data_tcp,
                  self.endpoints.data_unix or "-", fd_path, agent.epoch, agent.node_id,
                  cfg.master or "embedded",
                  self._tls.describe() if self._tls is not None else "plaintext",
+                 "on" if token else "off (no authentication)",
                  cfg.data_handshake_timeout_s, cfg.data_preauth_connections,
                  agent.max_segments)
 
@@ -460,6 +482,22 @@ class AgentServer:
         if self.publisher is not None:
             counters.update(self.publisher.counters)
         return counters
+
+    def publication(self, timeout: float) -> str:
+        """How this agent's table stands at the registry, once the first publish to the
+        master was tried (at most `timeout` s): "embedded", "none", "published",
+        "pending" or "not published: <why>". Blocks: call it off the event loop."""
+        publisher = self.publisher
+        if not self.config.master:
+            return "embedded" if self.registry is not None else "none"
+        if publisher is None:
+            return "none"
+        publisher.attempted.wait(timeout)
+        if publisher.published.is_set() and publisher.state("master").published:
+            return "published"
+        if not publisher.attempted.is_set():
+            return "pending"
+        return f"not published: {publisher.state('master').last_error or '?'}"
 
     def _peers(self) -> list[Peer]:
         peers: list[Peer] = []

@@ -1,0 +1,90 @@
+"""Silence that is not health (issue 20, item 2): an agent whose master is down, or that
+holds the wrong cluster token, says on its ready line and in its log that it is not
+published and why, and `hixl status` says so too. Real agents, a real master.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from conftest import AgentProcess, clean_env, parse_ready
+
+StartAgent = Callable[..., AgentProcess]
+DEADLINE_S = 30.0
+READY_MASTER = "hixl-master serving "
+
+
+@contextlib.contextmanager
+def master_process(*flags: str) -> Iterator[str]:
+    """A hixl-master on a free port (no persistence); yields its address once it serves."""
+    proc = subprocess.Popen([sys.executable, "-m", "hixl.server.master", "--port", "0",
+                             "--no-persist", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=clean_env())
+    try:
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            assert sel.select(timeout=DEADLINE_S), "hixl-master did not start"
+            line = proc.stdout.readline()
+        assert line.startswith(READY_MASTER), f"unexpected first line {line!r}"
+        yield line[len(READY_MASTER):].strip()
+    finally:
+        proc.kill()
+        proc.wait(DEADLINE_S)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound once, then released: connections are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _status(agent: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hixl.client.cli", "status", "--agent", agent,
+                           "--timeout", "5"], capture_output=True, text=True, timeout=60,
+                          env=clean_env())
+
+
+def test_agent_with_its_master_down_says_it_is_not_published(agent_process: StartAgent) -> None:
+    master = f"127.0.0.1:{_closed_port()}"
+    agent = agent_process(config={"master": master, "pool": [{"size": "64KiB"}]})
+    assert parse_ready(agent.ready_line)["registry"] == "not-published"
+    log = agent.log()
+    assert f"WARNING hixl.agent [-] serving, but not published to master {master}: " in log
+    status = _status(agent.engine)
+    assert status.returncode == 1
+    assert f"master {master}: not published: " in status.stdout
+    assert f"agent {agent.engine}: not published to master {master}: " in status.stderr
+
+
+def test_agent_with_the_wrong_token_says_why_it_is_not_published(
+        agent_process: StartAgent, tmp_path: Path) -> None:
+    good, wrong = tmp_path / "good.token", tmp_path / "wrong.token"
+    good.write_text("the-cluster-token-0123456789abcdef\n", encoding="utf-8")
+    wrong.write_text("not-the-cluster-token-0123456789\n", encoding="utf-8")
+    good.chmod(0o600)
+    wrong.chmod(0o600)
+    with master_process("--cluster-token-file", str(good)) as master:
+        agent = agent_process(config={"master": master, "cluster_token_file": str(wrong)})
+        assert parse_ready(agent.ready_line)["registry"] == "not-published"
+        assert "wrong cluster token" in agent.log()
+        assert "cluster_token=on" in agent.log()
+
+
+def test_agent_with_its_master_up_says_published(agent_process: StartAgent) -> None:
+    with master_process() as master:
+        agent = agent_process(config={"master": master})
+        assert parse_ready(agent.ready_line)["registry"] == "published"
+        assert "cluster_token=off" in agent.log()
+    embedded = agent_process()
+    assert parse_ready(embedded.ready_line)["registry"] == "embedded"
