@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -33,7 +33,7 @@ import uvloop
 from hixl import logs
 from hixl.auth import load_token
 from hixl.control import add_port, server_interceptors
-from hixl.errors import HixlError, NotConnected, ParamInvalid
+from hixl.errors import HixlError, NotConnected, ParamInvalid, ResourceExhausted
 from hixl.metrics import CollectorRegistry, FunctionCollector, MetricsServer
 from hixl.registry_client import (
     OWNER_KEY_SIZE,
@@ -79,6 +79,124 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.so_reuseport", 0),  # a second agent on the same port must fail, not share it
 ]
+
+
+# ---------------------------------------------------------------- pools that fit
+
+#: a cgroup limit at or above this is no limit (v1 writes 2**63 rounded to a page)
+_NO_LIMIT = 1 << 60
+#: while a pool segment is pre-faulted, how often the log says how far it got
+PREFAULT_PROGRESS_EVERY_S = 2.0
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _stat_field(text: str | None, name: str) -> int:
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(" ")
+        if key == name:
+            return int(value)
+    return 0
+
+
+def _cgroup_room(root: str) -> tuple[int, str] | None:
+    """Bytes this process's memory cgroup still admits (its limit less its working set:
+    usage without inactive file cache, which the kernel reclaims first), and the file of
+    the limit; None without a limit. cgroup v2, else v1; the process's own cgroup, else
+    the mount's root (a container sees its own cgroup there)."""
+    own = _read(os.path.join(root, "proc/self/cgroup")) or ""
+    paths = {"v2": "", "v1": ""}
+    for line in own.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            paths["v2"] = path.lstrip("/")
+        elif "memory" in controllers.split(","):
+            paths["v1"] = path.lstrip("/")
+    layouts = (("sys/fs/cgroup", paths["v2"], "memory.max", "memory.current", "inactive_file"),
+               ("sys/fs/cgroup/memory", paths["v1"], "memory.limit_in_bytes",
+                "memory.usage_in_bytes", "total_inactive_file"))
+    for base, path, limit_name, usage_name, inactive in layouts:
+        for directory in dict.fromkeys((os.path.join(root, base, path), os.path.join(root, base))):
+            limit_text = _read(os.path.join(directory, limit_name))
+            usage_text = _read(os.path.join(directory, usage_name))
+            if limit_text is None or usage_text is None:
+                continue
+            if limit_text.strip() == "max" or int(limit_text) >= _NO_LIMIT:
+                break  # no limit at this level: try the next layout
+            used = int(usage_text) - _stat_field(
+                _read(os.path.join(directory, "memory.stat")), inactive)
+            return max(int(limit_text) - max(used, 0), 0), os.path.join(directory, limit_name)
+    return None
+
+
+def memory_room(root: str = "/") -> list[tuple[int, str]]:
+    """Every bound on the memory a new pool may take, as (bytes, where it was read):
+    MemAvailable of /proc/meminfo and, under a memory cgroup limit, what it still admits.
+    `root` is "/" but for tests of the reading itself."""
+    bounds = []
+    meminfo = _read(os.path.join(root, "proc/meminfo")) or ""
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            bounds.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    cgroup = _cgroup_room(root)
+    if cgroup is not None:
+        bounds.append((cgroup[0], f"the memory cgroup's limit less its use ({cgroup[1]})"))
+    return bounds
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def check_pool_fits(config: AgentConfig, root: str = "/") -> None:
+    """Refuse a pool the machine cannot hold, before any of it is mapped: pre-faulting
+    more than there is meets the OOM killer (or, under a limit, ENOMEM with no hint).
+    ResourceExhausted with the numbers, where they were read, and the setting to change."""
+    wanted = sum(entry.size for entry in config.pool)
+    if not wanted:
+        return
+    for room, where in memory_room(root):
+        if wanted > room:
+            setting = ("key 'pool_size' (--pool-size, HIXL_AGENT_POOL_SIZE)" if
+                       config.pool_size else "key 'pool' (HIXL_AGENT_POOL, or --pool-size)")
+            raise ResourceExhausted(
+                f"the pool ({_gib(wanted)} in {len(config.pool)} segment(s)) does not fit "
+                f"this machine: {_gib(room)} available ({where}); lower {setting}, or free "
+                "memory (the pool is pre-faulted at start, all of it)")
+
+
+@contextlib.contextmanager
+def _prefault_progress(name: str, size: int) -> Iterator[None]:
+    """Log that a pool segment is being pre-faulted, how far it got every
+    PREFAULT_PROGRESS_EVERY_S (this process's shared memory grows as pages fault in), and
+    how long it took: a large pool takes seconds per GiB, and silence looks like a hang."""
+    log.info("pre-faulting pool segment %r (%s)", name, _gib(size))
+    done = threading.Event()
+    before = _stat_field((_read("/proc/self/status") or "").replace(":", ""), "RssShmem")
+
+    def report() -> None:
+        while not done.wait(PREFAULT_PROGRESS_EVERY_S):
+            status = (_read("/proc/self/status") or "").replace(":", "")
+            faulted = (_stat_field(status, "RssShmem") - before) * 1024
+            log.info("pre-faulting pool segment %r: %s of %s", name,
+                     _gib(min(max(faulted, 0), size)), _gib(size))
+
+    ticker = threading.Thread(target=report, name="hixl-prefault-progress", daemon=True)
+    started = time.monotonic()
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+    log.info("pool segment %r: %s pre-faulted in %.1f s", name, _gib(size),
+             time.monotonic() - started)
 
 
 class Publisher:
@@ -386,6 +504,7 @@ class AgentServer:
         # ours, not writable by others (whoever may write there could plant a fake fd
         # socket): for agents embedded in engines as for hixl-agent
         prepare_runtime_dir(cfg.runtime_dir, cfg.allowed_uids)
+        check_pool_fits(cfg)  # before anything is bound or mapped
         token = self._cluster_token
         interceptors = server_interceptors(token)
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
@@ -406,8 +525,9 @@ class AgentServer:
         self.agent = agent
 
         for entry in cfg.pool:
-            agent.allocate(entry.size, entry.perms, entry.name, owner="pool", budgeted=False,
-                           allowed_engines=entry.allowed_engines)
+            with _prefault_progress(entry.name, entry.size):
+                agent.allocate(entry.size, entry.perms, entry.name, owner="pool",
+                               budgeted=False, allowed_engines=entry.allowed_engines)
 
         base = os.path.join(cfg.runtime_dir, f"agent-{port}")
         unix_data = f"{base}.data.sock" if cfg.data_unix else None
