@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hixl.client.engine import Engine, MemHandle, parse_engine_name
+from hixl.client.mooncake import tensors
 from hixl.control import node_identity
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
 from hixl.failover import parse_addresses
@@ -1713,6 +1714,213 @@ class MooncakeDistributedStore:
                 raise StoreError(result.code, result.message or code_name(result.code))
             return result.count
         return self._guard("remove_all", run)
+
+    # ------------------------------------------------------------ tensor API
+    # Mooncake's torch helpers on CPU tensors, in its byte layout (client/mooncake/tensors.py)
+    # over the byte API above: a put sends the metadata and the tensor's own bytes as two
+    # parts (no staging copy), a get decodes into a new tensor, a get_*_into returns a
+    # tensor sharing the caller's buffer. A refused tensor is INVALID_PARAMS for its key.
+
+    def put_tensor(self, key: str, tensor: Any) -> int:
+        return self._single(self._put_tensors("put_tensor", [key], [tensor], None, upsert=False))
+
+    def upsert_tensor(self, key: str, tensor: Any) -> int:
+        return self._single(self._put_tensors("upsert_tensor", [key], [tensor], None, upsert=True))
+
+    def pub_tensor(self, key: str, tensor: Any, config: ReplicateConfig | None = None) -> int:
+        return self._single(self._put_tensors("pub_tensor", [key], [tensor], config, upsert=False))
+
+    def upsert_pub_tensor(self, key: str, tensor: Any,
+                          config: ReplicateConfig | None = None) -> int:
+        return self._single(self._put_tensors("upsert_pub_tensor", [key], [tensor], config,
+                                              upsert=True))
+
+    def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
+        return self._put_tensors("batch_put_tensor", keys, tensors_list, None, upsert=False)
+
+    def batch_upsert_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
+        return self._put_tensors("batch_upsert_tensor", keys, tensors_list, None, upsert=True)
+
+    def batch_pub_tensor(self, keys: list[str], tensors_list: list[Any],
+                         config: ReplicateConfig | None = None) -> list[int]:
+        return self._put_tensors("batch_pub_tensor", keys, tensors_list, config, upsert=False)
+
+    def batch_upsert_pub_tensor(self, keys: list[str], tensors_list: list[Any],
+                                config: ReplicateConfig | None = None) -> list[int]:
+        return self._put_tensors("batch_upsert_pub_tensor", keys, tensors_list, config,
+                                 upsert=True)
+
+    def put_tensor_with_tp(self, key: str, tensor: Any, tp_rank: int = 0, tp_size: int = 1,
+                           split_dim: int = 0) -> int:
+        """Every one of `tp_size` equal shards along `split_dim`, each under
+        `{key}_tp_{rank}` (as Mooncake: all ranks, whatever `tp_rank` is)."""
+        return self._first(self._put_tensor_shards("put_tensor_with_tp", [key], [tensor],
+                                                   tp_size, split_dim, None)[0])
+
+    def pub_tensor_with_tp(self, key: str, tensor: Any, config: ReplicateConfig | None = None,
+                           tp_rank: int = 0, tp_size: int = 1, split_dim: int = 0) -> int:
+        return self._first(self._put_tensor_shards("pub_tensor_with_tp", [key], [tensor],
+                                                   tp_size, split_dim, config)[0])
+
+    def batch_put_tensor_with_tp(self, base_keys: list[str], tensors_list: list[Any],
+                                 tp_rank: int = 0, tp_size: int = 1,
+                                 split_dim: int = 0) -> list[int]:
+        return [self._first(codes) for codes in self._put_tensor_shards(
+            "batch_put_tensor_with_tp", base_keys, tensors_list, tp_size, split_dim, None)]
+
+    def batch_pub_tensor_with_tp(self, base_keys: list[str], tensors_list: list[Any],
+                                 config: ReplicateConfig | None = None, tp_rank: int = 0,
+                                 tp_size: int = 1, split_dim: int = 0) -> list[int]:
+        return [self._first(codes) for codes in self._put_tensor_shards(
+            "batch_pub_tensor_with_tp", base_keys, tensors_list, tp_size, split_dim, config)]
+
+    def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        """A value already in the layout ([metadata][data]) in a registered buffer."""
+        return self._single(self._put_tensors_from("put_tensor_from", [key], [buffer_ptr],
+                                                   [size], upsert=False))
+
+    def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self._single(self._put_tensors_from("upsert_tensor_from", [key], [buffer_ptr],
+                                                   [size], upsert=True))
+
+    def batch_put_tensor_from(self, keys: list[str], buffer_ptrs: list[int],
+                              sizes: list[int]) -> list[int]:
+        return self._put_tensors_from("batch_put_tensor_from", keys, buffer_ptrs, sizes,
+                                      upsert=False)
+
+    def batch_upsert_tensor_from(self, keys: list[str], buffer_ptrs: list[int],
+                                 sizes: list[int]) -> list[int]:
+        return self._put_tensors_from("batch_upsert_tensor_from", keys, buffer_ptrs, sizes,
+                                      upsert=True)
+
+    def get_tensor(self, key: str) -> Any:
+        """A new tensor, or None (missing key, or a value that is not a tensor: logged)."""
+        return self.batch_get_tensor([key])[0]
+
+    def batch_get_tensor(self, keys: list[str]) -> list[Any]:
+        values = self.get_batch(keys) if isinstance(keys, list | tuple) else None
+        if values is None or len(values) != len(keys):
+            return [None] * (len(keys) if isinstance(keys, list | tuple) else 1)
+        return [self._decoded("get_tensor", key, value) for key, value in zip(keys, values, strict=True)]
+
+    def get_tensor_with_tp(self, key: str, tp_rank: int = 0, tp_size: int = 1,
+                           split_dim: int = 0) -> Any:
+        """This rank's shard (`{key}_tp_{tp_rank}`), or None."""
+        return self.batch_get_tensor_with_tp([key], tp_rank, tp_size)[0]
+
+    def batch_get_tensor_with_tp(self, base_keys: list[str], tp_rank: int = 0,
+                                 tp_size: int = 1) -> list[Any]:
+        if not isinstance(tp_size, int) or not 0 <= tp_rank < tp_size:
+            self._fail("get_tensor_with_tp", ErrorCode.INVALID_PARAMS,
+                       f"tp_rank {tp_rank!r} must be in [0, tp_size={tp_size!r})")
+            return [None] * len(base_keys)
+        return self.batch_get_tensor([tensors.tp_key(k, tp_rank) if tp_size > 1 else k
+                                      for k in base_keys])
+
+    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
+        """A tensor sharing the registered buffer the value was read into, or None."""
+        return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+
+    def batch_get_tensor_into(self, keys: list[str], buffer_ptrs: list[int],
+                              sizes: list[int]) -> list[Any]:
+        codes = self.batch_get_into(keys, buffer_ptrs, sizes)
+        out: list[Any] = []
+        for key, ptr, code in zip(keys, buffer_ptrs, codes, strict=False):
+            if code < 0:
+                out.append(None)
+                continue
+            try:
+                out.append(tensors.view(ptr, code))
+            except tensors.TensorFormatError as exc:
+                self._fail("get_tensor_into", ErrorCode.INVALID_PARAMS, f"{_show(key)}: {exc}")
+                out.append(None)
+        return out + [None] * (len(keys) - len(out))
+
+    def _decoded(self, what: str, key: Any, value: Any) -> Any:
+        if not value:  # missing (the byte API logged why) or empty: no tensor
+            return None
+        try:
+            return tensors.decode(value)
+        except tensors.TensorFormatError as exc:
+            self._fail(what, ErrorCode.INVALID_PARAMS, f"{_show(key)}: {exc}")
+            return None
+
+    def _put_tensors(self, what: str, keys: Any, tensors_list: Any, config: Any, *,
+                     upsert: bool) -> list[int]:
+        """Encode each tensor (a refused one is INVALID_PARAMS for its key alone) and put
+        the rest through the byte API, as [metadata, data] parts."""
+        if not isinstance(tensors_list, list | tuple) or not isinstance(keys, list | tuple) \
+                or len(keys) != len(tensors_list):
+            return [self._fail(what, ErrorCode.INVALID_PARAMS,
+                               "keys and tensors must be lists of the same length")]
+        codes: list[int] = [OK] * len(keys)
+        good: list[int] = []
+        parts: list[list[Any]] = []
+        for index, tensor in enumerate(tensors_list):
+            try:
+                parts.append(list(tensors.encode(tensor)))
+                good.append(index)
+            except tensors.TensorFormatError as exc:
+                codes[index] = self._fail(what, ErrorCode.INVALID_PARAMS,
+                                          f"{_show(keys[index])}: {exc}")
+        if good:
+            stored = self._put_bytes(what, [keys[i] for i in good], parts, config, upsert=upsert)
+            for index, code in zip(good, stored, strict=True):
+                codes[index] = code
+        return codes
+
+    def _put_tensor_shards(self, what: str, base_keys: Any, tensors_list: Any, tp_size: Any,
+                           split_dim: Any, config: Any) -> list[list[int]]:
+        """Per base key, the codes of its tp_size shard puts (one batch for all)."""
+        if not isinstance(base_keys, list | tuple) or not isinstance(tensors_list, list | tuple) \
+                or len(base_keys) != len(tensors_list) or not isinstance(tp_size, int) \
+                or isinstance(tp_size, bool) or tp_size < 1:
+            code = self._fail(what, ErrorCode.INVALID_PARAMS, "base_keys and tensors must be "
+                              f"lists of the same length and tp_size >= 1 (got {tp_size!r})")
+            return [[code]] * max(1, len(base_keys) if isinstance(base_keys, list | tuple) else 1)
+        keys: list[str] = []
+        shards: list[Any] = []
+        refused: dict[int, int] = {}
+        for index, (base, tensor) in enumerate(zip(base_keys, tensors_list, strict=True)):
+            try:
+                pieces = tensors.split(tensor, tp_size, split_dim) if tp_size > 1 else [tensor]
+            except (tensors.TensorFormatError, AttributeError, TypeError) as exc:
+                refused[index] = self._fail(what, ErrorCode.INVALID_PARAMS, f"{_show(base)}: {exc}")
+                continue
+            keys += [tensors.tp_key(base, rank) if tp_size > 1 else base
+                     for rank in range(len(pieces))]
+            shards += pieces
+        codes = iter(self._put_tensors(what, keys, shards, config, upsert=False))
+        return [[refused[i]] if i in refused else [next(codes) for _ in range(tp_size)]
+                for i in range(len(base_keys))]
+
+    def _put_tensors_from(self, what: str, keys: Any, buffer_ptrs: Any, sizes: Any, *,
+                          upsert: bool) -> list[int]:
+        """put_from for buffers whose bytes are checked to be one tensor in the layout."""
+        if not all(isinstance(x, list | tuple) for x in (keys, buffer_ptrs, sizes)) or \
+                not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [self._fail(what, ErrorCode.INVALID_PARAMS,
+                               "keys, buffer_ptrs and sizes must be lists of the same length")]
+        codes: list[int] = [OK] * len(keys)
+        good: list[int] = []
+        for index, (key, ptr, size) in enumerate(zip(keys, buffer_ptrs, sizes, strict=True)):
+            try:
+                self._registered(ptr, size, what)
+                header = ctypes.string_at(ptr, min(int(size), tensors.METADATA_SIZE))
+                tensors.parse(header, int(size))
+                good.append(index)
+            except (StoreError, tensors.TensorFormatError) as exc:
+                code = exc.code if isinstance(exc, StoreError) else ErrorCode.INVALID_PARAMS
+                codes[index] = self._fail(what, code, f"{_show(key)}: {exc}")
+        if good:
+            stored = self._put_from(what, [keys[i] for i in good],
+                                    *self._one_part([keys[i] for i in good],
+                                                    [buffer_ptrs[i] for i in good],
+                                                    [sizes[i] for i in good]),
+                                    None, upsert=upsert)
+            for index, code in zip(good, stored, strict=True):
+                codes[index] = code
+        return codes
 
     # ------------------------------------------------------------ small helpers
 
