@@ -204,6 +204,12 @@ def op_arrays(local_addrs: Any, remote_addrs: Any, lengths: Any
                            f"{remote.size} remote_addrs, {sizes.size} lengths")
     if not local.size:
         raise ParamInvalid("a batch needs at least one op (the arrays are empty)")
+    smallest, largest = (int(lengths), int(lengths)) if sizes is not lengths and \
+        not isinstance(lengths, np.ndarray) and np.ndim(lengths) == 0 \
+        else (int(sizes.min()), int(sizes.max()))
+    if smallest > 0 and min(int(local.min()), int(remote.min())) >= 0 and \
+            max(int(local.max()), int(remote.max())) <= _INT64_MAX - largest:
+        return local, remote, sizes  # the usual batch: its bounds say every op is fine
     positive = np.maximum(sizes, 1)  # keeps the sums below from overflowing
     bad = (sizes <= 0) | (local < 0) | (remote < 0) | (local > _INT64_MAX - positive) | \
         (remote > _INT64_MAX - positive)
@@ -224,11 +230,22 @@ def _containing(table: AddressTable[Any], addrs: np.ndarray, sizes: np.ndarray
     """(index of the range of `table` holding each op's start, whether it holds the whole
     op), for every op at once."""
     bases, ends, _ = table.arrays()
-    where = np.searchsorted(bases, addrs, side="right") - 1
     if not bases.size:
-        return where, np.zeros(addrs.size, bool)
+        return np.zeros(addrs.size, np.intp), np.zeros(addrs.size, bool)
+    where = np.searchsorted(bases, addrs, side="right") - 1
     clipped = np.maximum(where, 0)
     return clipped, (where >= 0) & (addrs + sizes <= ends[clipped])
+
+
+def _one_range(table: AddressTable[Any], addrs: np.ndarray, sizes: np.ndarray) -> Any | None:
+    """The value of the one range of `table` holding every op, else None: the usual
+    batch (pages of one KV cache, into one heap) found from its bounds alone."""
+    hit = table.lookup(int(addrs.min()))
+    if hit is None:
+        return None
+    if int(addrs.max()) + int(sizes.max()) <= hit[1] or int((addrs + sizes).max()) <= hit[1]:
+        return hit[2]
+    return None
 
 
 def _plain_ints(values: Sequence[Any]) -> bool:
@@ -265,18 +282,25 @@ def _readonly_local(index: int, addr: int) -> PermissionDenied:
                             "a READ cannot land in it", failed=[index])
 
 
-def _runs(segments: list[SegmentInfo], where: np.ndarray, local: np.ndarray,
-          remote: np.ndarray, sizes: np.ndarray, ops: np.ndarray) -> Runs:
+def _runs(segments: list[SegmentInfo], where: np.ndarray | None, local: np.ndarray,
+          remote: np.ndarray, sizes: np.ndarray, ops: np.ndarray | range) -> Runs:
     """Checked ops of the mapped path as Runs: consecutive ops that continue each other
-    on both sides in one segment coalesced into one copy."""
+    on both sides in one segment coalesced into one copy. `where`: each op's index in
+    `segments`; None when all are in segments[0]."""
     nbytes = int(sizes.sum())
     if local.size > 1:
-        joined = (local[1:] == local[:-1] + sizes[:-1]) & \
-            (remote[1:] == remote[:-1] + sizes[:-1]) & (where[1:] == where[:-1])
+        ends = sizes[:-1]
+        joined = (local[1:] == local[:-1] + ends) & (remote[1:] == remote[:-1] + ends)
+        if where is not None:
+            joined &= where[1:] == where[:-1]
         if joined.any():
             starts = np.flatnonzero(np.concatenate(([True], ~joined)))
             sizes = np.add.reduceat(sizes, starts)
-            local, remote, where = local[starts], remote[starts], where[starts]
+            local, remote = local[starts], remote[starts]
+            where = None if where is None else where[starts]
+    if where is None:
+        return Runs(segments[:1], np.zeros(local.size, np.intp), local, remote, sizes, ops,
+                    nbytes)
     used, seg = np.unique(where, return_inverse=True)
     return Runs([segments[slot] for slot in used.tolist()], seg.reshape(-1), local, remote,
                 sizes, ops, nbytes)
@@ -1155,6 +1179,23 @@ class Engine:
             self._refresh(peer)
         writing = op is _WRITE
         need = _NEED_WRITE if writing else _NEED_READ
+        handle = _one_range(self._local, local, sizes) if local_registered else True
+        segment = _one_range(peer.table, remote, sizes)
+        if handle is not None and segment is not None and \
+                (writing or handle is True or not handle.readonly) and int(segment.perms) & need \
+                and (not segment.allowed_engines or self.name in segment.allowed_engines):
+            # one local region, one segment, both allowed: checked by their bounds
+            nbytes = int(sizes.sum())
+            if peer.fabric is not None and segment.shareable:
+                return _runs([segment], None, local, remote, sizes, range(local.size)), [], \
+                    nbytes
+        return self._resolve_each(peer, writing, need, local, remote, sizes, local_registered)
+
+    def _resolve_each(self, peer: _Peer, writing: bool, need: int, local: np.ndarray,
+                      remote: np.ndarray, sizes: np.ndarray, local_registered: bool
+                      ) -> tuple[Runs | None, list[Item], int]:
+        """`_resolve_arrays` op by op (still vectorised): several regions or segments, a
+        socket path, or an op to refuse."""
         bad = np.zeros(local.size, bool)
         if local_registered:
             region, held = _containing(self._local, local, sizes)

@@ -17,13 +17,17 @@ sharding over more pool PEs shrinks it with the shards.
 Phases.
 - *Prefill* (`InferenceSide.prefill`): layer by layer, PE 0 fills its cache (a stand-in
   for the model's forward pass) and offloads that layer's pages with one non-blocking
-  batched PUT per pool PE (`put_batch(..., nbi=True)`), so the transfer of layer l overlaps
+  batched PUT per pool PE (`put_batch(ArrayBatch, nbi=True)`), so the transfer of layer l overlaps
   the "compute" of layer l+1; one `quiet` at the end, then a signal per pool PE (a signal
   is never seen before the puts issued before it).
 - *Decode* (`InferenceSide.decode_step`): each step scores the blocks (a seeded RNG, the
   same in every run), takes the top-k with argpartition, and gathers only those blocks,
   every layer, into a compact buffer [layers, k, page_bytes] with one batched GET per
   pool PE; then checks them page for page.
+
+Batches are `ArrayBatch`es (offset arrays built with a few numpy operations per layer or
+step: `offload_batches`, `gather_batches`), checked and copied without Python work per
+page; `offload_pairs` / `gather_pairs` list the same moves as (dst, src) pairs.
 
 Content. Every page is a function of (layer, block, generation): a fixed noise pattern
 XOR a tag word made from the three, so any process can check any page with no data from
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hixl.client.shmem import GE, ShmemContext
+from hixl.client.shmem import GE, ArrayBatch, ShmemContext
 from hixl.errors import ParamInvalid
 
 INFERENCE_PE = 0
@@ -186,11 +190,29 @@ class InferenceSide:
             by_pe.setdefault(pe, []).append((pool[slot][layer], cache[layer, block]))
         return by_pe
 
+    def offload_batches(self, layer: int) -> dict[int, ArrayBatch]:
+        """Pool PE -> one ArrayBatch of every block's page of `layer` (what offload_pairs
+        lists, as offset arrays: no Python work per page)."""
+        layout, page = self.layout, self.layout.page_bytes
+        out: dict[int, ArrayBatch] = {}
+        for pe, blocks in self._shards().items():
+            slots = blocks // layout.pool_pes
+            out[pe] = ArrayBatch(self.job.pool, self.cache,
+                                 (slots * layout.layers + layer) * page,
+                                 (layer * layout.blocks + blocks) * page, page)
+        return out
+
+    def _shards(self) -> dict[int, np.ndarray]:
+        """Pool PE -> the block ids it holds, in order."""
+        blocks = np.arange(self.layout.blocks)
+        homes = 1 + blocks % self.layout.pool_pes
+        return {pe: blocks[homes == pe] for pe in self.job.pool_pes() if (homes == pe).any()}
+
     def offload_layer(self, layer: int, *, wait: bool = True) -> None:
         """One batched PUT per pool PE of this layer's pages (non-blocking: all pool
         PEs at once); `wait` completes them."""
-        for pe, pairs in self.offload_pairs(layer).items():
-            self.ctx.put_batch(pairs, pe, nbi=True)
+        for pe, batch in self.offload_batches(layer).items():
+            self.ctx.put_batch(batch, pe, nbi=True)
         if wait:
             self.ctx.quiet()
 
@@ -237,10 +259,31 @@ class InferenceSide:
             pairs.extend((into[layer, i], home[layer]) for layer in range(self.layout.layers))
         return by_pe
 
+    def gather_batches(self, blocks: Sequence[int], into: np.ndarray) -> dict[int, ArrayBatch]:
+        """Pool PE -> one ArrayBatch of every layer of its chosen blocks (gather_pairs as
+        offset arrays), block by block: a block's pages, neighbours in the pool, follow
+        each other, so they coalesce wherever `into` has them side by side too."""
+        layout, page = self.layout, self.layout.page_bytes
+        chosen = np.asarray(blocks, np.int64)
+        k, layers = chosen.size, np.arange(layout.layers)
+        homes = 1 + chosen % layout.pool_pes
+        out: dict[int, ArrayBatch] = {}
+        for pe in np.unique(homes).tolist():
+            picks = np.flatnonzero(homes == pe)
+            slots = chosen[picks] // layout.pool_pes
+            src = ((slots[:, None] * layout.layers + layers[None, :]) * page).ravel()
+            dst = ((layers[None, :] * k + picks[:, None]) * page).ravel()
+            out[pe] = ArrayBatch(into, self.job.pool, dst, src, page)
+        return out
+
     def gather(self, blocks: Sequence[int], into: np.ndarray) -> None:
-        """One batched GET per pool PE (all in flight at once), then quiet."""
-        for pe, pairs in self.gather_pairs(blocks, into).items():
-            self.ctx.get_batch(pairs, pe, nbi=True)
+        """One batched GET per pool PE, then quiet: all but the last in flight at once,
+        the last one blocking (it runs while the others do, without a worker hand-off)."""
+        batches = list(self.gather_batches(blocks, into).items())
+        for pe, batch in batches[:-1]:
+            self.ctx.get_batch(batch, pe, nbi=True)
+        pe, batch = batches[-1]
+        self.ctx.get_batch(batch, pe)
         self.ctx.quiet()
 
     def decode_step(self, step: int, k: int) -> tuple[np.ndarray, list[list[int]], float]:

@@ -11,10 +11,11 @@ pages for every block), waits for the pool PE to check every page it received, a
 `steps` decode steps, each a top-k choice and a batched GET of those k blocks (every
 layer) into a compact buffer — a timed *gather* — checked page for page (untimed).
 
-Baseline, same run: the same batches, the same pairs, copied within PE 0 (put_batch and
-get_batch to PE 0 itself, into and out of PE 0's own copy of the symmetric pool: a
-local memcpy of the same bytes through the same code path, minus the other process),
-each baseline batch timed right before its hixl twin so machine noise hits both.
+Batches are `ArrayBatch`es (`offload_batches`, `gather_batches`): offset arrays, one per
+pool PE, sent with put_batch / get_batch. Baseline, same run: a plain Python loop of one
+`ctypes.memmove` per page over the same pages within PE 0 (into and out of PE 0's own
+copy of the symmetric pool; addresses computed untimed), each baseline batch timed right
+before its hixl twin so machine noise hits both.
 Figures: offload GB/s and blocks/s from the median run (the sum of its batches), gather
 GB/s and blocks/s from the median step; p50/p99 per batch and per step; ratio = hixl /
 baseline GB/s. A wrong byte anywhere fails the command (exit status 1).
@@ -35,6 +36,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Sequence
+from ctypes import memmove
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
@@ -77,13 +79,15 @@ def _percentile_ms(seconds: Sequence[float], q: float) -> float:
 
 
 def _phase(hixl_s: Sequence[float], base_s: Sequence[float], per_unit: Sequence[float],
-           base_unit: Sequence[float], blocks: int, block_bytes: int) -> dict[str, Any]:
+           base_unit: Sequence[float], blocks: int, block_bytes: int,
+           pages_per_block: int) -> dict[str, Any]:
     """Figures of one phase: `per_unit` is the time of one unit (an offload run, a gather
     step) moving `blocks` blocks; hixl_s / base_s the individual calls timed."""
     unit, base = statistics.median(per_unit), statistics.median(base_unit)
     gbps = blocks * block_bytes / unit / 1e9
     base_gbps = blocks * block_bytes / base / 1e9
-    return {"calls": len(hixl_s), "blocks_per_s": blocks / unit, "gbps": gbps,
+    return {"calls": len(hixl_s), "blocks_per_s": blocks / unit,
+            "pages_per_s": blocks * pages_per_block / unit, "gbps": gbps,
             "p50_ms": _percentile_ms(hixl_s, 50), "p99_ms": _percentile_ms(hixl_s, 99),
             "baseline_gbps": base_gbps, "baseline_p50_ms": _percentile_ms(base_s, 50),
             "ratio": gbps / base_gbps}
@@ -103,14 +107,31 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
     ctx, layout = job.ctx, job.layout
     k, steps, runs = spec["top_k"], spec["steps"], spec["runs"]
 
-    def to_pool(by_pe: dict[int, list[Any]], move: Any) -> None:
-        for pe, pairs in by_pe.items():  # one batch per pool PE, all in flight at once
-            move(pairs, pe, nbi=True)
+    def to_pool(by_pe: dict[int, Any], move: Any) -> None:
+        """One array batch per pool PE: all but the last in flight at once, the last
+        one blocking (no worker hand-off for the common single pool PE)."""
+        batches = list(by_pe.items())
+        for pe, batch in batches[:-1]:
+            move(batch, pe, nbi=True)
+        move(batches[-1][1], batches[-1][0])
         ctx.quiet()
 
-    def to_self(by_pe: dict[int, list[Any]], move: Any) -> None:
-        for pairs in by_pe.values():
-            move(pairs, ctx.my_pe)
+    def address(obj: Any) -> int:
+        """Where `obj` is in PE 0 (a symmetric object: PE 0's own copy)."""
+        return int(obj.local.ctypes.data) if hasattr(obj, "ctx") else int(obj.ctypes.data)
+
+    def plain_moves(by_pe: dict[int, Any]) -> list[tuple[int, int, int]]:
+        """The same pages as (dst, src, length) addresses within PE 0, built untimed."""
+        moves: list[tuple[int, int, int]] = []
+        for batch in by_pe.values():
+            dst, src = address(batch.dst), address(batch.src)
+            moves += zip((batch.dst_offsets + dst).tolist(), (batch.src_offsets + src).tolist(),
+                         [batch.lengths] * len(batch.dst_offsets), strict=True)
+        return moves
+
+    def memmove_loop(moves: list[tuple[int, int, int]]) -> None:
+        for dst, src, length in moves:  # the baseline: a plain loop, one memmove per page
+            memmove(dst, src, length)
 
     timings: dict[str, list[float]] = {name: [] for name in (
         "offload", "offload_base", "run", "run_base", "gather", "gather_base")}
@@ -122,8 +143,9 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
             side.compute_layer(layer)
         batches, base_batches = [], []
         for layer in range(layout.layers):
-            by_pe = side.offload_pairs(layer)
-            base_batches.append(_timed(lambda: to_self(by_pe, ctx.put_batch)))  # noqa: B023
+            by_pe = side.offload_batches(layer)
+            moves = plain_moves(by_pe)
+            base_batches.append(_timed(lambda: memmove_loop(moves)))  # noqa: B023
             batches.append(_timed(lambda: to_pool(by_pe, ctx.put_batch)))  # noqa: B023
         timings["offload"] += batches
         timings["offload_base"] += base_batches
@@ -135,8 +157,9 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
             bad["offload"].append({"run": run, "bad_pages_by_pe": verdicts})
         for step in range(steps):
             blocks = top_k_blocks((run - 1) * steps + step, layout.blocks, k)
-            by_pe = side.gather_pairs(blocks, into)
-            timings["gather_base"].append(_timed(lambda: to_self(by_pe, ctx.get_batch)))  # noqa: B023
+            by_pe = side.gather_batches(blocks, into)
+            moves = plain_moves(by_pe)
+            timings["gather_base"].append(_timed(lambda: memmove_loop(moves)))  # noqa: B023
             into.fill(0)  # untimed: a page the gather missed cannot pass
             timings["gather"].append(_timed(lambda: to_pool(by_pe, ctx.get_batch)))  # noqa: B023
             wrong = bad_pages(into, blocks, run)
@@ -144,9 +167,10 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 bad["gather"].append({"run": run, "step": step, "pages": wrong[:16]})
     side.finish()
     return {"offload": _phase(timings["offload"], timings["offload_base"], timings["run"],
-                              timings["run_base"], layout.blocks, layout.block_bytes),
+                              timings["run_base"], layout.blocks, layout.block_bytes,
+                              layout.layers),
             "gather": _phase(timings["gather"], timings["gather_base"], timings["gather"],
-                             timings["gather_base"], k, layout.block_bytes),
+                             timings["gather_base"], k, layout.block_bytes, layout.layers),
             "verified": {"offload_pages": runs * layout.blocks * layout.layers,
                          "gather_pages": runs * steps * k * layout.layers},
             "bad": bad, "route": ctx.route(1)}
@@ -241,8 +265,8 @@ def run_kv_offload_bench(config: KvBenchConfig, progress: IO[str] | None = None
     report = {"bench": "kv-offload", "config": asdict(config),
               "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                        "python": platform.python_version()},
-              "baseline": "memcpy: the same batches copied within PE 0 (put_batch/get_batch "
-                          "to PE 0 itself, its own copy of the pool)",
+              "baseline": "memmove loop: one ctypes.memmove per page of the same batches "
+                          "within PE 0 (its own copy of the pool)",
               "cases": cases}
     failures = [f"{c['case']} {c['path']}: {c['bad']}" for c in cases
                 if c["bad"]["offload"] or c["bad"]["gather"]]
@@ -265,15 +289,17 @@ def format_kv_report(report: dict[str, Any]) -> str:
                          human_size(case["block_bytes"], approximate=True),
                          str(case["blocks"] if phase == "offload" else case["top_k"]),
                          f"{unit}", str(f["calls"]), format_rate(f["blocks_per_s"]),
+                         format_rate(f["pages_per_s"]),
                          f"{f['gbps']:.3f}", f"{f['p50_ms']:.2f}", f"{f['p99_ms']:.2f}",
                          f"{f['baseline_gbps']:.3f}", f"{f['ratio']:.2f}x"])
     out += ["", format_table(["case", "path", "phase", "block", "blocks", "batch", "calls",
-                              "blocks/s", "GB/s", "p50 ms", "p99 ms", "memcpy GB/s", "ratio"],
+                              "blocks/s", "pages/s", "GB/s", "p50 ms", "p99 ms", "memmove GB/s",
+                              "ratio"],
                              rows, left=(0, 1, 2, 5)),
             "(offload: one batched PUT per layer for every block, GB/s of the median run; "
             "gather: one batched GET of the top-k blocks, every layer, GB/s of the median "
             "step; p50/p99 per batch or step; " + report["baseline"] + "; ratio: "
-            "hixl / memcpy GB/s)"]
+            "hixl / memmove-loop GB/s)"]
     verified = [f"{c['case']} {c['path']}: {c['verified']['offload_pages']} offloaded + "
                 f"{c['verified']['gather_pages']} gathered pages" for c in report["cases"]]
     out.append("verified page for page: " + "; ".join(verified))
@@ -310,7 +336,7 @@ def add_parser(subparsers: Any) -> None:
                     "PE 1: the host pool), offload the cache one batched PUT per layer and "
                     "gather the top-k blocks back per decode step with one batched GET; "
                     "print blocks/s, GB/s and p50/p99 per offload batch and per gather next "
-                    "to a memcpy of the same batches within PE 0. Every page is checked; a "
+                    "to a memmove loop of the same pages within PE 0. Every page is checked; a "
                     "wrong byte fails the command.")
     p.add_argument("--layers", type=_positive_int, default=defaults.layers,
                    help=f"layers per block (default {defaults.layers}, the seed's model)")

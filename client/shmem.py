@@ -133,7 +133,7 @@ from hixl.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from hixl.memory import BufferRange, array_moves, buffer_range, copy_moves, round_up
+from hixl.memory import BufferRange, buffer_range, copy_arrays, copy_moves, round_up
 from hixl.types import TransferOp, TransferOpDesc
 
 log = logging.getLogger("hixl.shmem")
@@ -816,8 +816,7 @@ class ShmemContext:
         if isinstance(moves, tuple):
             local, offsets, sizes = moves
             heap_at = offsets + heap
-            copy_moves(array_moves(heap_at, local, sizes) if writing
-                       else array_moves(local, heap_at, sizes))
+            copy_arrays(heap_at, local, sizes) if writing else copy_arrays(local, heap_at, sizes)
             return
         copy_moves([(heap + offset, local, n) if writing else (local, heap + offset, n)
                     for local, offset, n in moves])

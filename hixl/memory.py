@@ -112,6 +112,47 @@ def array_moves(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> list[M
     return list(zip(dst.tolist(), src.tolist(), lengths.tolist(), strict=True))
 
 
+_MOVES_PER_SHARE = 64  # fewer moves than this per thread: cut them by bytes (split_moves)
+# Threads only pay for moves this large on average: each ctypes call takes the GIL back
+# after its memmove, so threads issuing many small moves spend their time handing the GIL
+# to each other (measured: 537 moves of 4 KiB on 2 threads, 2-3x slower than one).
+PARALLEL_MOVE_MIN = 64 << 10
+
+
+def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
+                total: int | None = None) -> None:
+    """copy_moves for moves given as three int64 arrays (an array batch).
+
+    Why: cutting many moves into per-thread shares one move at a time (split_moves)
+    costs more than copying small pages, and small moves are faster on one thread
+    (PARALLEL_MOVE_MIN); with many large moves the shares are cut at move
+    boundaries found by one searchsorted over the running byte count instead (shares
+    then differ by at most one move's bytes).
+    """
+    if total is None:
+        total = int(lengths.sum())
+    shares = min(COPY_THREADS, total // _COPY_PIECE_MIN) if total >= PARALLEL_COPY_MIN and \
+        total >= PARALLEL_MOVE_MIN * lengths.size else 1
+    if shares <= 1:
+        _run_moves(array_moves(dst, src, lengths))
+        return
+    if lengths.size < shares * _MOVES_PER_SHARE:
+        copy_moves(array_moves(dst, src, lengths), total)
+        return
+    ends = np.cumsum(lengths)
+    inner = np.searchsorted(ends, np.arange(1, shares) * (total // shares)) + 1
+    cuts = [0, *np.minimum(inner, lengths.size).tolist(), lengths.size]
+    parts = [array_moves(dst[a:b], src[a:b], lengths[a:b])
+             for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+    pool = _pool()
+    futures: list[Future[None]] = [pool.submit(_run_moves, part) for part in parts[1:]]
+    try:
+        _run_moves(parts[0])
+    finally:
+        for future in futures:
+            future.result()
+
+
 def split_moves(moves: Sequence[Move], shares: int) -> list[list[Move]]:
     """Cut `moves` into `shares` lists of about equal bytes, in order, splitting a move
     where a share ends (every byte copied exactly once)."""

@@ -182,3 +182,24 @@ def test_bad_arrays_raise_by_first_bad_index_and_move_nothing(client) -> None:
     # the earliest bad op wins, whichever check finds it
     both = with_at(remote, 40, kv.base + kv.length)
     refused(OutOfRange, "op 5 local address", 5, with_at(local, 5, 4096), both, PAGE)
+
+
+@pytest.mark.parametrize(("moves", "size"), [(300, 4096), (200, 64 << 10), (20, 300 << 10)],
+                         ids=["small-one-thread", "many-large-cut-at-moves", "few-large-split"])
+def test_copy_arrays_copies_every_byte_exactly_once(moves: int, size: int) -> None:
+    """hixl.memory.copy_arrays: one thread for small moves; shares cut at move boundaries
+    for many large ones, by bytes for a few; every move to a shuffled place, gaps kept."""
+    from hixl.memory import copy_arrays
+
+    src = pattern(11, moves * size)
+    dst = np.zeros(moves * (size + 64), np.uint8)  # a 64-byte gap after every slot
+    places = np.random.default_rng(3).permutation(moves)
+    lengths = np.full(moves, size, np.int64)
+    lengths[::7] -= 5  # uneven moves
+    copy_arrays(dst.ctypes.data + places * (size + 64), src.ctypes.data + np.arange(moves) * size,
+                lengths)
+    slots = dst.reshape(moves, size + 64)
+    for move, place in enumerate(places.tolist()):
+        n = int(lengths[move])
+        assert np.array_equal(slots[place, :n], src[move * size:move * size + n])
+        assert not slots[place, n:].any()

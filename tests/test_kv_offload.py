@@ -166,7 +166,7 @@ def test_bench_reports_every_case_and_verified_every_page() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert "hixl bench kv-offload" in proc.stderr and "verified page for page" in proc.stderr
-    assert report["bench"] == "kv-offload" and "memcpy" in report["baseline"]
+    assert report["bench"] == "kv-offload" and "memmove loop" in report["baseline"]
     cases = report["cases"]
     assert [(c["page_bytes"], c["path"]) for c in cases] == [
         (16 << 10, "mapped"), (16 << 10, "tcp"), (4 << 10, "mapped"), (4 << 10, "tcp")]
@@ -180,8 +180,9 @@ def test_bench_reports_every_case_and_verified_every_page() -> None:
         assert case["offload"]["calls"] == 2 * 3 and case["gather"]["calls"] == 2 * 3
         for phase in ("offload", "gather"):
             figures = case[phase]
-            assert set(figures) == {"calls", "blocks_per_s", "gbps", "p50_ms", "p99_ms",
-                                    "baseline_gbps", "baseline_p50_ms", "ratio"}
+            assert set(figures) == {"calls", "blocks_per_s", "pages_per_s", "gbps", "p50_ms",
+                                    "p99_ms", "baseline_gbps", "baseline_p50_ms", "ratio"}
+            assert figures["pages_per_s"] == pytest.approx(figures["blocks_per_s"] * 3)
             assert all(value > 0 for value in figures.values()), figures
 
 

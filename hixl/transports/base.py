@@ -43,7 +43,7 @@ class Runs:
     local: np.ndarray
     remote: np.ndarray
     lengths: np.ndarray
-    ops: np.ndarray
+    ops: np.ndarray | range
     nbytes: int
 
     def __len__(self) -> int:
@@ -51,7 +51,7 @@ class Runs:
         return len(self.ops)
 
     def failed(self) -> list[int]:
-        return self.ops.tolist()
+        return list(self.ops) if isinstance(self.ops, range) else self.ops.tolist()
 
 
 class Transport(abc.ABC):

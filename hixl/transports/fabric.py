@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, TransferTimeout
-from hixl.memory import FdGrant, Mapping, Move, array_moves, copy_moves
+from hixl.memory import FdGrant, Mapping, Move, copy_arrays, copy_moves
 from hixl.segment_states import StateView
 from hixl.transports.base import Item, Runs, Transport
 from hixl.types import Perm, SegmentInfo, TransferOp
@@ -143,7 +143,7 @@ class FabricTransport(Transport):
             if not exc.failed:
                 exc.failed = [it.index for it in items]
             raise
-        self._copy(moves, used, deadline, lambda: [it.index for it in items])
+        self._copy(lambda: copy_moves(moves), used, deadline, lambda: [it.index for it in items])
 
     def transfer_runs(self, op: TransferOp, runs: Runs, deadline: float) -> None:
         """An array batch: each segment mapped once, every run's mapped address computed
@@ -158,21 +158,24 @@ class FabricTransport(Transport):
             if not exc.failed:
                 exc.failed = runs.failed()
             raise
-        deltas = np.array([used[s.segment_id].delta for s in runs.segments], np.int64)
-        remote = runs.remote + deltas[runs.seg]
-        moves = array_moves(remote, runs.local, runs.lengths) if op is _WRITE \
-            else array_moves(runs.local, remote, runs.lengths)
-        self._copy(moves, used, deadline, runs.failed)
+        if len(runs.segments) == 1:
+            remote = runs.remote + used[runs.segments[0].segment_id].delta
+        else:
+            deltas = np.array([used[s.segment_id].delta for s in runs.segments], np.int64)
+            remote = runs.remote + deltas[runs.seg]
+        dst, src = (remote, runs.local) if op is _WRITE else (runs.local, remote)
+        self._copy(lambda: copy_arrays(dst, src, runs.lengths, runs.nbytes), used, deadline,
+                   runs.failed)
 
-    def _copy(self, moves: list[Move], used: dict[int, _Mapped], deadline: float,
+    def _copy(self, copy: Callable[[], None], used: dict[int, _Mapped], deadline: float,
               failed: Callable[[], list[int]]) -> None:
-        """Copy every move (large totals on several threads, hixl.memory.copy_moves), then
-        the liveness checks. The copy is bounded memory work, so the deadline is checked
+        """Run `copy` (every move; large totals on several threads, hixl.memory), then the
+        liveness checks. The copy is bounded memory work, so the deadline is checked
         once, before it: a transfer past it moves nothing."""
         if time.monotonic() > deadline:
             raise TransferTimeout(f"fabric transfer with {self._peer} passed its deadline",
                                   failed=failed())
-        copy_moves(moves)
+        copy()
         self._check_after(used, failed)
 
     def _check_after(self, used: dict[int, _Mapped], failed: Callable[[], list[int]]) -> None:
