@@ -324,3 +324,38 @@ def test_an_exhausted_reservation_is_replaced_and_nothing_leaks(
     with client(master, "check") as check:
         stats = eventually(check.stats, lambda s: s["reservations"] == 0, "release")
         assert (stats["used"], stats["keys"]) == (blocks, len(values))
+
+
+def test_kill_9_of_the_master_between_write_and_commit(tmp_path: Path) -> None:
+    """The client holds a reservation when the master dies: its next put fails (RPC_FAIL,
+    nothing committed); after the restart the committed key is back, the failed one is
+    absent, a new put takes a new reservation, and nothing stays reserved."""
+    data = ["--data-dir", str(tmp_path / "data")]
+    first = MasterProcess(extra=data)
+    holder = HolderProcess("hixl", first.target, "127.0.0.1", 64 * MiB)
+    store = pure_client(first)
+    second = None
+    try:
+        kept, lost, after = pattern(7, 30_000), pattern(8, 40_000), pattern(9, 50_000)
+        assert store.put("kept", kept) == 0
+        first.kill()
+        assert store.put("lost", lost) == ErrorCode.RPC_FAIL
+        second = MasterProcess(first.port, extra=data)
+        assert eventually(lambda: store.get("kept"), lambda v: v != b"", "kept") == kept
+        assert eventually(lambda: store.put("after", after), lambda rc: rc == 0,
+                          "put after restart") == 0
+        assert store.get("after") == after
+        assert store.get("lost") == b""
+        assert store.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+        space = store._space
+        assert space is not None and space.commits == 2   # kept and after, one trip each
+        store.close()
+        with client(second, "check") as check:            # before the holder unmounts
+            stats = eventually(check.stats, lambda s: s["reservations"] == 0, "release")
+            assert (stats["keys"], stats["used"]) == (2, 30_016 + 50_048)
+    finally:
+        store.close()
+        holder.stop()
+        first.close()
+        if second is not None:
+            second.close()
