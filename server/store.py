@@ -761,9 +761,10 @@ class ObjectStore:
                 release: Sequence[int] = ()) -> ReserveResult:
         """Set space aside for `client_id`'s one-round-trip puts: reservations on up to
         max(replica_num, RESERVE_SPREAD) distinct segments, in the order a put's replicas
-        would try them (the client spreads values over them as the strategy would), each of min(want_bytes or reservation_bytes, reservation_bytes, an
-        eighth of its segment). Ends the client's reservations in `release` first. No
-        eviction is done for it: NO_AVAILABLE_HANDLE when nothing fits."""
+        would try them (the client spreads values over them as the strategy would), each
+        of at most `want_bytes` (0: reservation_bytes) and what _reservable_locked allows.
+        Ends the client's reservations in `release` first. No eviction is done for it:
+        NO_AVAILABLE_HANDLE when nothing fits."""
         config = config or ReplicaConfig()
         problem = self._check_config(config) or ("" if client_id else "no client id")
         if problem:
