@@ -269,26 +269,38 @@ class ReplicateConfig:
     dfs_replica_num: int = 0
     with_hard_pin: bool = False
     soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
-    soft_pin_ttl_ms: int = 0
+    #: None (the master's --default_kv_soft_pin_ttl) or an int in [0, 2**64), as Mooncake's
+    #: optional<uint64_t>: anything else raises TypeError when assigned
+    soft_pin_ttl_ms: int | None = None
     preferred_segment: str = ""
     preferred_segments: list[str] = field(default_factory=list)
     prefer_alloc_in_same_node: bool = False
     group_ids: list[str] = field(default_factory=list)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "soft_pin_ttl_ms" and value is not None and (
+                type(value) is not int or not 0 <= value < 1 << 64):
+            raise TypeError(f"soft_pin_ttl_ms must be None or an int in [0, 2**64), "
+                            f"got {value!r}")
+        super().__setattr__(name, value)
+
     def to_master(self, avoid: Sequence[str] = (), others: Sequence[str] = ()) -> ReplicaConfig:
         """The master's ReplicaConfig; segments in `avoid` are not preferred, and
-        `others` (live segments) are preferred after the caller's own choices."""
+        `others` (live segments) are preferred after the caller's own choices. A TTL
+        without SoftPinAction.ENABLE is refused (ValueError), as Mooncake refuses it."""
         if not 1 <= int(self.replica_num) <= MAX_REPLICAS:
             raise ValueError(f"replica_num must be in [1, {MAX_REPLICAS}], got {self.replica_num}")
-        if int(self.soft_pin_ttl_ms) < 0:
-            raise ValueError(f"soft_pin_ttl_ms must not be negative, got {self.soft_pin_ttl_ms}")
+        if self.soft_pin_ttl_ms is not None and \
+                SoftPinAction(int(self.soft_pin_action)) != SoftPinAction.ENABLE:
+            raise ValueError(f"soft_pin_ttl_ms={self.soft_pin_ttl_ms} needs soft_pin_action="
+                             "SoftPinAction.ENABLE (a TTL means nothing without a soft pin)")
         preferred = [self.preferred_segment] if self.preferred_segment else []
         preferred += [s for s in self.preferred_segments if s not in preferred]
         preferred += [s for s in others if s not in preferred]
         return ReplicaConfig(
             replica_num=int(self.replica_num), with_hard_pin=bool(self.with_hard_pin),
             soft_pin_action=SoftPinAction(int(self.soft_pin_action)),
-            soft_pin_ttl_ms=int(self.soft_pin_ttl_ms),
+            soft_pin_ttl_ms=self.soft_pin_ttl_ms or 0,  # 0: the master's default
             preferred_segments=tuple(s for s in preferred if s not in avoid),
             prefer_alloc_in_same_node=bool(self.prefer_alloc_in_same_node))
 
@@ -1569,21 +1581,36 @@ class MooncakeDistributedStore:
                               "buffer_ptrs, all_keys and the offset/size lists must nest alike")
             return [[[code]] for _ in (buffer_ptrs if isinstance(buffer_ptrs, list) else [])]
 
+        def ranges_of(i: int, j: int) -> int | None:
+            """How many ranges key j of buffer i asks for; None if its lists disagree."""
+            try:
+                count = len(all_sizes[i][j])
+                if len(all_dst_offsets[i][j]) == count == len(all_src_offsets[i][j]):
+                    return count
+            except (TypeError, IndexError):
+                pass
+            return None
+
         def run() -> list[list[list[int]]]:
             self._require()
             try:
-                shape = [[len(all_sizes[i][j]) for j in range(len(all_keys[i]))]
-                         for i in range(len(buffer_ptrs))]
-                for i, per_key in enumerate(shape):
-                    for j, count in enumerate(per_key):
-                        if len(all_dst_offsets[i][j]) != count or \
-                                len(all_src_offsets[i][j]) != count:
-                            return shape_error()
                 if len(all_keys) != len(buffer_ptrs):
                     return shape_error()
-            except (TypeError, IndexError):
+                shape = [[ranges_of(i, j) for j in range(len(all_keys[i]))]
+                         for i in range(len(buffer_ptrs))]
+            except TypeError:
                 return shape_error()
-            out = [[[0] * count for count in per_key] for per_key in shape]
+            # a key whose lists disagree gets [INVALID_PARAMS] alone: every key keeps its
+            # place in the result, as Mooncake answers
+            malformed = [(i, j) for i, per_key in enumerate(shape)
+                         for j, count in enumerate(per_key) if count is None]
+            for i, j in malformed:
+                self._fail("get_into_ranges", ErrorCode.INVALID_PARAMS,
+                           f"buffer {i}, key {_show(all_keys[i][j])}: its offset and size "
+                           "lists differ in length")
+            out = [[[0] * count if count is not None else [int(ErrorCode.INVALID_PARAMS)]
+                    for count in per_key] for per_key in shape]
+            shape = [[count or 0 for count in per_key] for per_key in shape]
             keys = sorted({k for per_buffer in all_keys for k in per_buffer}, key=str)
             found = dict(zip(keys, self._locate(keys), strict=True))
             jobs: list[tuple[int, GetReplicasResult, list[tuple[int, int, int]]]] = []
@@ -1933,6 +1960,47 @@ class MooncakeDistributedStore:
         return next((int(c) for c in codes if c < 0), OK)
 
 
+def bind_to_numa_node(node: int) -> None:
+    """Run this process on the CPUs of NUMA node `node` (Mooncake's module function).
+
+    CPUs only: memory placement follows first touch on those CPUs (Mooncake also sets a
+    preferred memory node through libnuma, which hixl does not depend on). A node this
+    machine does not have raises ValueError naming the ones it has.
+    """
+    if type(node) is not int:
+        raise TypeError(f"node must be an int, got {type(node).__name__}")
+    nodes = "/sys/devices/system/node"
+    try:
+        with open(f"{nodes}/node{node}/cpulist", encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        have = sorted(n[4:] for n in os.listdir(nodes) if n[4:].isdigit()) \
+            if os.path.isdir(nodes) else ["0"]
+        raise ValueError(f"NUMA node {node} does not exist here (nodes: "
+                         f"{', '.join(have)})") from None
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    os.sched_setaffinity(0, cpus)
+
+
+def _serialize_tensor(tensor: Any) -> tuple[bytes, int, int, Any]:
+    """Mooncake's helper: (metadata, data address, data bytes, the contiguous tensor)."""
+    metadata, data = tensors.encode(tensor)
+    flat = tensor.detach().contiguous()
+    return metadata, (flat.data_ptr() if len(data) else 0), len(data), flat
+
+
+def _deserialize_tensor(value: bytes) -> Any:
+    """Mooncake's helper: the tensor in a [metadata][data] value."""
+    return tensors.decode(value)
+
+
+def _tensor_metadata_size() -> int:
+    return tensors.METADATA_SIZE
+
+
 def _engine_in_port_range(host: str, options: dict[str, str], registry: str) -> Engine:
     """An Engine with its agent on a free port in 12300-14300, as Mooncake's store picks."""
     low, high = STORE_PORTS
@@ -1954,4 +2022,4 @@ def _engine_in_port_range(host: str, options: dict[str, str], registry: str) -> 
 
 
 __all__ = ["BufferHandle", "MooncakeConfig", "MooncakeDistributedStore", "ReplicateConfig",
-           "SoftPinAction", "StoreError", "parse_size"]
+           "SoftPinAction", "StoreError", "bind_to_numa_node", "parse_size"]
