@@ -92,3 +92,29 @@ def test_module_functions() -> None:
     assert nbytes == 40 and ptr == flat.data_ptr()
     back = store_module._deserialize_tensor(metadata + t.numpy().tobytes())
     assert torch.equal(back, t)
+
+
+def test_setup_again_after_close_is_a_new_client(master: MasterProcess) -> None:  # noqa: F811
+    """setup() after close() on the same object works (Mooncake allows it): a new client
+    whose earlier objects went with its unmounted segment, while replicas on other
+    clients stay readable."""
+    first, other = new_store(master), new_store(master)
+    try:
+        assert first.put("mine", b"m" * 1000,
+                         ReplicateConfig(preferred_segment=first.get_hostname())) == 0
+        assert other.put("theirs", b"t" * 1000,
+                         ReplicateConfig(preferred_segment=other.get_hostname())) == 0
+        assert first.close() == 0
+        assert first.put("k", b"v") < 0  # closed
+        assert first.setup("127.0.0.1", "P2PHANDSHAKE", 4 << 20, 1 << 20, "tcp", "",
+                           master.target) == 0, first.get_last_error()
+        assert first.setup("127.0.0.1", "P2PHANDSHAKE", 4 << 20, 1 << 20, "tcp", "",
+                           master.target) == INVALID  # already set up
+        assert "already set up" in first.get_last_error()
+        assert first.get("theirs") == b"t" * 1000
+        assert first.is_exist("mine") == 0 and other.is_exist("mine") == 0
+        assert first.put("again", b"a" * 5000) == 0
+        assert other.get("again") == b"a" * 5000
+    finally:
+        first.close()
+        other.close()

@@ -435,6 +435,18 @@ class MooncakeDistributedStore:
         self._setup_timeout_arg = setup_timeout
         self._transfer_timeout_arg = transfer_timeout
         self._lock = threading.RLock()
+        self._checkin_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._node_id = node_identity()
+        self._new_life()
+        #: why the last call failed, and the code it returned (0 / "" before any failure)
+        self.last_error = ""
+        self.last_error_code = 0
+
+    def _new_life(self) -> None:
+        """The state of one setup() .. close(): set here before the first setup, and again
+        when setup() follows close() (Mooncake allows it: a new client, whose earlier
+        objects are gone with its unmounted segment)."""
         self._engine: Engine | None = None
         self._own_engine = False
         self._master: MasterClient | None = None
@@ -449,21 +461,15 @@ class MooncakeDistributedStore:
         self._suspects: dict[str, float] = {}    # engine -> monotonic time to forget it
         self._others: tuple[set[str], float, list[str]] = (set(), 0.0, [])
         self._pool: ThreadPoolExecutor | None = None
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        self._checkin_lock = threading.Lock()
+        self._heartbeat: threading.Thread | None = None  # stopped by _stop (setup clears it)
         self._client_ttl_s = DEFAULT_CLIENT_TTL_MS / 1000
         self._master_lost = False
-        self._node_id = node_identity()
         self._hostname = ""
         self._transfer_timeout = DEFAULT_TRANSFER_TIMEOUT_S
         self._master_timeout = DEFAULT_MASTER_TIMEOUT_S
         self._remote_info: Any = None          # SegmentInfo of a segment held by an agent
         self._connect_timeout = DEFAULT_CONNECT_TIMEOUT_S
         self._closed = False
-        #: why the last call failed, and the code it returned (0 / "" before any failure)
-        self.last_error = ""
-        self.last_error_code = 0
 
     # ------------------------------------------------------------ errors become codes
 
@@ -604,9 +610,11 @@ class MooncakeDistributedStore:
 
     def _setup(self, settings: _Settings) -> int:
         with self._lock:
-            if self._engine is not None or self._closed:
-                raise StoreError(ErrorCode.INVALID_PARAMS, "setup: this store was already set "
-                                 "up" + (" and closed" if self._closed else ""))
+            if self._engine is not None and not self._closed:
+                raise StoreError(ErrorCode.INVALID_PARAMS, "setup: this store is already set "
+                                 "up (close() it first to set it up again)")
+            if self._closed:  # setup after close: a new client on this object
+                self._new_life()
             self._master_timeout = self._seconds(self._master_timeout_arg, MASTER_TIMEOUT_ENV,
                                                  DEFAULT_MASTER_TIMEOUT_S)
             setup_timeout = self._seconds(self._setup_timeout_arg, SETUP_TIMEOUT_ENV,
