@@ -9,9 +9,12 @@ with routing weights (`weights[tokens, topk]`, a softmax of the chosen scores). 
 token, k) — which makes the rows bound for one PE contiguous. For each destination it
 packs one block: a header (epoch, where the results go back, row count, and the
 per-(source, expert) counts), the rows' activations, and one metadata row per activation
-(source rank, token, k, expert); then one `put_nbi` per destination PE into that PE's
-receive region *for this source* (senders never collide), and a signal. Rows for itself
-are packed straight into its own receive region (no copy through a send buffer).
+(source rank, token, k, expert), into that PE's receive region *for this source*
+(senders never collide), then a signal. The activations go straight from `x`: one
+non-blocking `put_batch` of an `ArrayBatch` per destination, one move per row (rows of
+neighbouring tokens coalesced), checked and issued without Python work per token; the
+header and metadata are packed in the send area and follow in a second batch. Rows for
+itself are packed straight into its own receive region.
 
 **Expert compute.** A deterministic elementwise function per expert,
 `y = x * scale[e] + bias[e]` (numpy multiply then add, in the layer's dtype), applied to
@@ -58,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from hixl.client.shmem import GE, SET, ShmemContext, SymmetricObject
+from hixl.client.shmem import GE, SET, ArrayBatch, ShmemContext, SymmetricObject
 from hixl.errors import ParamInvalid, TransferFailed
 from hixl.memory import round_up
 
@@ -157,8 +160,12 @@ def weighted_sum(rows: np.ndarray, index: np.ndarray, weights: np.ndarray) -> np
     order and cast to the rows' dtype: the one reduction both sides use."""
     tokens, topk = index.shape
     acc = np.zeros((tokens, rows.shape[1]), np.float32)
+    picked = np.empty((tokens, rows.shape[1]), rows.dtype)  # reused: no allocation per k
+    term = picked if rows.dtype == np.float32 else np.empty_like(acc)
     for k in range(topk):
-        term = rows[index[:, k]].astype(np.float32, copy=False)
+        np.take(rows, index[:, k], axis=0, out=picked, mode="clip")  # "raise" would buffer
+        if term is not picked:
+            term[...] = picked
         term *= weights[:, k, None]
         acc += term
     return acc.astype(rows.dtype, copy=False)
@@ -421,28 +428,36 @@ class MoeLayer:
         self.epoch += 1
         routing = route(expert_ids, shape, n)
         send_at = plan.send_at
+        target = plan.recv_at + me * plan.recv_block  # this PE's receive block on every PE
+        last = self._order()[-2] if n > 1 else me
         for dest in self._order():
             rows = int(routing.rows_to[dest])
-            # rows for this PE go straight into its own receive region for itself
-            at = plan.recv_at + me * plan.recv_block if dest == me else send_at
-            header, block_x, meta = self._block(at, rows)
             positions = slice(routing.first[dest], routing.first[dest] + rows)
             flat = routing.order[positions]
+            tokens = flat // shape.topk
+            # header and metadata: packed here (this PE's own block: in place), the
+            # rows for another PE put straight from `x`, one move per row (no send copy)
+            at = target if dest == me else send_at
+            header, block_x, meta = self._block(at, rows)
             header[:_HEADER_WORDS] = (self.epoch, routing.first[dest], rows)
             local = slice(dest * shape.experts_per_pe, (dest + 1) * shape.experts_per_pe)
             header[_HEADER_WORDS:_HEADER_WORDS + shape.experts_per_pe] = routing.counts[local]
-            tokens = flat // shape.topk
-            np.take(x, tokens, axis=0, out=block_x, mode="clip")
             meta[:, 0] = me
             meta[:, 1] = tokens
             meta[:, 2] = flat % shape.topk
             meta[:, 3] = routing.experts[positions]
-            if dest != me:
-                nbytes = plan.block_bytes(rows)
-                target = plan.recv_at + me * plan.recv_block
-                ctx.put_nbi(self.arena[target:target + nbytes], self._bytes[at:at + nbytes],
-                            dest, timeout=self.timeout)
-                send_at += nbytes
+            if dest == me:
+                np.take(x, tokens, axis=0, out=block_x, mode="clip")
+                continue
+            row_bytes, meta_at = shape.row_bytes, plan.meta_at(rows)
+            # the last destination's rows move in this thread while the others' are in flight
+            ctx.put_batch(ArrayBatch(self.arena, x, target + plan.header_bytes
+                                     + np.arange(rows) * row_bytes, tokens * row_bytes,
+                                     row_bytes), dest, nbi=dest != last, timeout=self.timeout)
+            ctx.put_batch(ArrayBatch(self.arena, self.arena, [target, target + meta_at],
+                                     [at, at + meta_at], [plan.header_bytes, rows * _META_BYTES]),
+                          dest, nbi=True, timeout=self.timeout)
+            send_at += plan.block_bytes(rows)
         for dest in self._order():  # each signal follows its put's bytes (hixl.shmem)
             ctx.signal(self._dispatched, self.epoch, dest, SET, timeout=self.timeout)
         ctx.wait_until(self._dispatched, GE, n * self.epoch, self.timeout)
