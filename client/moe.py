@@ -71,6 +71,7 @@ DTYPES: dict[str, type] = {"float32": np.float32, "float16": np.float16}
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2}
 META_FIELDS = ("source", "token", "k", "expert")  # one int32 each per dispatched row
 _META_BYTES = 4 * len(META_FIELDS)
+_SUM_CHUNK_BYTES = 1 << 20  # weighted_sum's working set per chunk of tokens
 _HEADER_WORDS = 3  # epoch, row offset in the source's combine buffer, rows; then counts
 
 
@@ -159,16 +160,26 @@ def weighted_sum(rows: np.ndarray, index: np.ndarray, weights: np.ndarray) -> np
     """`out[t] = sum_k weights[t, k] * rows[index[t, k]]`, accumulated in float32 in k
     order and cast to the rows' dtype: the one reduction both sides use."""
     tokens, topk = index.shape
-    acc = np.zeros((tokens, rows.shape[1]), np.float32)
-    picked = np.empty((tokens, rows.shape[1]), rows.dtype)  # reused: no allocation per k
-    term = picked if rows.dtype == np.float32 else np.empty_like(acc)
-    for k in range(topk):
-        np.take(rows, index[:, k], axis=0, out=picked, mode="clip")  # "raise" would buffer
-        if term is not picked:
-            term[...] = picked
-        term *= weights[:, k, None]
-        acc += term
-    return acc.astype(rows.dtype, copy=False)
+    hidden = rows.shape[1]
+    # tokens in chunks of ~1 MiB of float32: the accumulator and the term stay in cache
+    # across the k passes (the same operations per element, in the same order)
+    chunk = max(1, min(tokens, _SUM_CHUNK_BYTES // (4 * hidden)))
+    out = np.empty((tokens, hidden), rows.dtype)
+    acc_buf = np.empty((chunk, hidden), np.float32)
+    picked_buf = np.empty((chunk, hidden), rows.dtype)  # reused: no allocation per k
+    term_buf = picked_buf if rows.dtype == np.float32 else np.empty_like(acc_buf)
+    for start in range(0, tokens, chunk):
+        stop = min(start + chunk, tokens)
+        acc, picked, term = (buf[:stop - start] for buf in (acc_buf, picked_buf, term_buf))
+        acc[...] = 0
+        for k in range(topk):
+            np.take(rows, index[start:stop, k], axis=0, out=picked, mode="clip")  # "raise" buffers
+            if term is not picked:
+                term[...] = picked
+            term *= weights[start:stop, k, None]
+            acc += term
+        out[start:stop] = acc
+    return out
 
 
 @dataclass
