@@ -99,7 +99,10 @@ each what put/get takes, to or from one PE in *one* engine call (one `transfer`,
 and stripes them together, instead of paying a call (and on a socket a round trip) per
 pair. Every pair is checked first, so a bad pair raises naming its index with nothing
 moved; pairs to this PE are local copies. The PE-level ordering (signal after quiet) is
-unchanged: a batch is one outstanding op to its PE.
+unchanged: a batch is one outstanding op to its PE. An `ArrayBatch` (offset arrays into
+one dst and one src) replaces the pairs where there are hundreds of moves (the pages of a
+KV cache, the rows of a MoE dispatch): it is checked with a few array operations and sent
+as one `Engine.transfer_arrays` call, with no Python work per move.
 """
 
 from __future__ import annotations
