@@ -118,3 +118,60 @@ def test_setup_again_after_close_is_a_new_client(master: MasterProcess) -> None:
     finally:
         first.close()
         other.close()
+
+
+def test_unregistered_buffers_move_bytes_and_unmapped_ones_are_refused(
+        store: MooncakeDistributedStore) -> None:
+    """put_from / get_into and their batch forms take memory never registered, as
+    Mooncake's TCP transport does (LMCache's P2P mode registers nothing); a range with
+    unmapped pages is INVALID_PARAMS, not a crash, and stores nothing."""
+    src = (np.arange(16384) % 251).astype(np.uint8)
+    dst = np.zeros(16384, np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    assert store.put_from("one", s, 4096) == 0
+    assert store.get_into("one", d, 16384) == 4096
+    assert bytes(dst[:4096]) == bytes(src[:4096])
+    assert store.batch_put_from(["a", "b"], [s + 4096, s + 8192], [4096, 8192]) == [0, 0]
+    dst[:] = 0
+    assert store.batch_get_into(["a", "b"], [d, d + 4096], [4096, 8192]) == [4096, 8192]
+    assert bytes(dst[:12288]) == bytes(src[4096:16384])
+    # registered buffers still work, and unregistering leaves plain memory usable
+    assert store.register_buffer(s, src.nbytes) == 0
+    assert store.put_from("reg", s, 100) == 0
+    assert store.unregister_buffer(s) == 0
+    assert store.unregister_buffer(s) == INVALID
+    assert store.put_from("after", s, 100) == 0 and store.get("after") == bytes(src[:100])
+    # unmapped memory: refused before anything moves
+    import mmap
+    hole = mmap.mmap(-1, 1 << 16)
+    addr = ctypes_address(hole)
+    hole.close()  # now unmapped
+    assert store.put_from("hole", addr, 4096) == INVALID
+    assert "unmapped" in store.get_last_error()
+    assert store.get_into("one", addr, 4096) == INVALID
+    assert store.batch_put_from(["x", "y"], [s, addr], [10, 10]) == [0, INVALID]
+    assert store.is_exist("hole") == 0 and store.is_exist("y") == 0
+
+
+def ctypes_address(buffer: object) -> int:
+    import ctypes
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def test_zero_local_buffer_fails_value_calls_as_mooncake(master: MasterProcess) -> None:  # noqa: F811
+    store = new_store(master, buffer=0)
+    try:
+        assert store.put("v", b"x" * 1000) == INVALID
+        assert "local_buffer_size is 0" in store.get_last_error()
+        assert store.is_exist("v") == 0
+        assert store.put_batch(["v1", "v2"], [b"a", b"b"]) == INVALID
+        data = (np.arange(4096) % 7).astype(np.uint8)
+        assert store.register_buffer(data.ctypes.data, data.nbytes) == 0
+        assert store.put_from("f", data.ctypes.data, 4096) == 0  # own buffers still work
+        assert store.get("f") == b"" and store.last_error_code == INVALID
+        assert store.get_buffer("f") is None
+        out = np.zeros(4096, np.uint8)
+        assert store.get_into("f", out.ctypes.data, 4096) == 4096
+        assert bytes(out) == bytes(data)
+    finally:
+        store.close()

@@ -60,7 +60,7 @@ def test_layout_is_mooncakes_byte_for_byte(shape: tuple[int, ...]) -> None:
         theirs = mooncake_store._serialize_tensor(tensor)
         assert metadata == theirs[0], (dtype, shape)
         assert len(data) == theirs[2]
-        assert layout.METADATA_SIZE == mooncake_store._tensor_metadata_size()
+        assert mooncake_store._tensor_metadata_size() == layout.METADATA_SIZE
         back = layout.decode(metadata + bytes(data))
         assert same(back, tensor)
         if tensor.numel() and dtype not in (torch.bfloat16,):

@@ -23,10 +23,10 @@ How it works (see docs/architecture.md §10):
   to the next one on failure.
 - Bytes move once: `put` sends a value straight from the caller's object and `get`
   reads straight into the new `bytes` it returns (no staging buffer, so
-  `local_buffer_size` is accepted and checked but reserves nothing); `put_from` /
-  `get_into` move bytes straight from / into buffers the caller registered with
-  `register_buffer` (required, and checked: an unregistered buffer is refused). Large
-  copies on this node run on several threads (`hixl.memory.copy_moves`).
+  `local_buffer_size` reserves nothing; with 0 those value calls fail, as in Mooncake);
+  `put_from` / `get_into` move bytes straight from / into caller memory, registered with
+  `register_buffer` or not (as Mooncake's tcp transport; a range with unmapped pages is
+  refused). Large copies on this node run on several threads (`hixl.memory.copy_moves`).
 
 Deliberate differences from Mooncake: setup() with no master fails within its timeout
 (default 5 s) instead of blocking 90 s; a master restart loses no committed key (the
@@ -409,6 +409,27 @@ def _env_seconds(name: str, default: float) -> float:
     return value
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+
+
+def _mapped(addr: int, size: int) -> bool:
+    """Whether every page of [addr, addr+size) is mapped in this process: mincore(2)
+    fails with ENOMEM on any unmapped page (one system call; nothing is touched)."""
+    start = addr - addr % _PAGE
+    length = addr + size - start
+    if start + length > 1 << 47:  # beyond user space: never mapped
+        return False
+    vec = ctypes.create_string_buffer((length + _PAGE - 1) // _PAGE)
+    return _libc.mincore(start, length, vec) == 0
+
+
+_NO_LOCAL_BUFFER = ("local_buffer_size is 0: put() / get() of values go through the local "
+                    "buffer in Mooncake's API, so they fail here as there; use put_from / "
+                    "get_into with your own buffer, or set up with a local_buffer_size")
+
+
 def _engine_name(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -469,6 +490,9 @@ class MooncakeDistributedStore:
         self._master_timeout = DEFAULT_MASTER_TIMEOUT_S
         self._remote_info: Any = None          # SegmentInfo of a segment held by an agent
         self._connect_timeout = DEFAULT_CONNECT_TIMEOUT_S
+        # Mooncake stages put() / get() values through a buffer of this size; hixl stages
+        # nothing, but with 0 those calls fail as they do in Mooncake (the contract)
+        self._local_buffer_size = DEFAULT_SIZE
         self._closed = False
 
     # ------------------------------------------------------------ errors become codes
@@ -629,6 +653,7 @@ class MooncakeDistributedStore:
                 log.info("protocol 'rdma': hixl moves bytes over its own paths (mapped shared "
                          "memory on the same node, TCP across nodes)")
             agent = self._agent if self._agent is not None else os.environ.get(AGENT_ENV) or None
+            self._local_buffer_size = settings.local_buffer_size
             try:
                 self._start_engine(settings, agent)
                 self._start_memory(settings, agent)
@@ -882,15 +907,28 @@ class MooncakeDistributedStore:
         return self._guard("unregister_buffer", run)
 
     def _registered(self, addr: Any, size: Any, what: str) -> tuple[int, int]:
-        """(addr, size) of caller memory that must lie inside one registered buffer."""
+        """(addr, size) of caller memory for a *_from / *_into call.
+
+        Registered buffers are what Mooncake's API expects, but its TCP transport also
+        moves bytes from and into memory never registered, and callers rely on it
+        (LMCache's P2P mode registers nothing). So any range mapped in this process is
+        taken (the bytes move the same way: the store copies straight from or into caller
+        memory either way); a range with unmapped pages is INVALID_PARAMS instead of the
+        crash it would be in Mooncake.
+        """
         addr, size = _int(addr, f"{what} buffer_ptr"), _int(size, f"{what} size")
         if size < 0 or addr < 0:
             raise StoreError(ErrorCode.INVALID_PARAMS, f"{what}: negative address or size")
-        if size and not self._inside_buffer(addr, size):
+        if size and not self._inside_buffer(addr, size) and not _mapped(addr, size):
             raise StoreError(ErrorCode.INVALID_PARAMS, (
-                f"{what}: [{addr:#x}, +{size}) is not inside a registered buffer; call "
-                "register_buffer(ptr, size) first"))
+                f"{what}: [{addr:#x}, +{size}) is not memory of this process (unmapped "
+                "pages): a wrong buffer_ptr or size?"))
         return addr, size
+
+    def _staging(self, what: str) -> None:
+        """Refuse a call that Mooncake stages through the local buffer when it is 0."""
+        if self._engine is not None and not self._local_buffer_size:
+            raise StoreError(ErrorCode.INVALID_PARAMS, f"{what}: {_NO_LOCAL_BUFFER}")
 
     def _inside_buffer(self, addr: int, size: int) -> bool:
         hit = self._buffers.lookup(addr)
@@ -1462,6 +1500,8 @@ class MooncakeDistributedStore:
                 len(keys) != len(values):
             return [self._fail(what, ErrorCode.INVALID_PARAMS,
                                "keys and values must be lists of the same length")]
+        if self._engine is not None and not self._local_buffer_size:
+            return [self._fail(what, ErrorCode.INVALID_PARAMS, _NO_LOCAL_BUFFER)] * len(keys)
         return self._batch_call(what, keys, lambda i, k: self._bytes_item(i, k, values[i]),
                                 lambda items, reasons: self._put(what, keys, items, config,
                                                                   upsert=upsert, reasons=reasons))
@@ -1524,6 +1564,7 @@ class MooncakeDistributedStore:
     def get_batch(self, keys: list[str]) -> list[bytes]:
         """Values in order; b"" for each key that could not be read."""
         def run() -> list[bytes]:
+            self._staging("get_batch" if len(keys) != 1 else "get")
             return self._get_objects("get_batch" if len(keys) != 1 else "get", keys,
                                      new_bytes, b"")
         result = self._guard("get_batch", run, failure=False)
@@ -1539,6 +1580,7 @@ class MooncakeDistributedStore:
             return out, out.ptr()
 
         def run() -> list[BufferHandle | None]:
+            self._staging("get_buffer" if len(keys) == 1 else "batch_get_buffer")
             return self._get_objects("get_buffer" if len(keys) == 1 else "batch_get_buffer",
                                      keys, handle, None)
         result = self._guard("batch_get_buffer", run, failure=False)
