@@ -119,9 +119,38 @@ _MOVES_PER_SHARE = 64  # fewer moves than this per thread: cut them by bytes (sp
 PARALLEL_MOVE_MIN = 64 << 10
 
 
+SMALL_MOVE_MAX = 8 << 10  # moves of one size up to this: copied by numpy, not per move
+_SMALL_MOVES_MIN = 8
+
+
+def _strided(addrs: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A numpy array of `size`-byte items over the memory the moves at `addrs` touch (item
+    stride: the gcd of their distances, so every address is an item), and each move's
+    item index. Only the indexed items are ever read or written."""
+    low = int(addrs.min())
+    span = int(addrs.max()) + size - low
+    offsets = addrs - low
+    stride = int(np.gcd.reduce(offsets)) or size
+    memory = (ctypes.c_char * span).from_address(low)
+    items = np.ndarray(((span - size) // stride + 1,), dtype=f"V{size}", buffer=memory,
+                       strides=(stride,))
+    return items, offsets // stride
+
+
+def _copy_small(dst: np.ndarray, src: np.ndarray, size: int) -> None:
+    """Many moves of one small size: one numpy gather and one scatter over strided views
+    (two passes over the bytes, but no call per move: at 4 KiB ~2x a memmove loop)."""
+    to, at = _strided(dst, size)
+    source, pick = _strided(src, size)
+    to[at] = source[pick]
+
+
 def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
                 total: int | None = None) -> None:
     """copy_moves for moves given as three int64 arrays (an array batch).
+
+    Many moves of one small size (pages up to SMALL_MOVE_MAX) are copied by numpy
+    (_copy_small). Moves must not overlap one another.
 
     Why: cutting many moves into per-thread shares one move at a time (split_moves)
     costs more than copying small pages, and small moves are faster on one thread
@@ -129,6 +158,11 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
     boundaries found by one searchsorted over the running byte count instead (shares
     then differ by at most one move's bytes).
     """
+    if lengths.size >= _SMALL_MOVES_MIN:
+        size = int(lengths.max())
+        if size <= SMALL_MOVE_MAX and int(lengths.min()) == size:
+            _copy_small(dst, src, size)
+            return
     if total is None:
         total = int(lengths.sum())
     shares = min(COPY_THREADS, total // _COPY_PIECE_MIN) if total >= PARALLEL_COPY_MIN and \

@@ -203,3 +203,22 @@ def test_copy_arrays_copies_every_byte_exactly_once(moves: int, size: int) -> No
         n = int(lengths[move])
         assert np.array_equal(slots[place, :n], src[move * size:move * size + n])
         assert not slots[place, n:].any()
+
+
+@pytest.mark.parametrize("size", [8, 4096, 8192], ids=["8B", "4K", "8K"])
+def test_small_uniform_moves_are_copied_by_numpy_views_byte_exactly(size: int) -> None:
+    """copy_arrays' numpy path (moves of one small size): scattered, unaligned and
+    interleaved addresses on both sides; bytes between the moves stay untouched."""
+    from hixl.memory import copy_arrays
+
+    moves = 101
+    src = pattern(12, moves * size * 3)
+    dst = np.zeros(moves * size * 3 + 17, np.uint8)
+    rng = np.random.default_rng(size)
+    src_at = rng.permutation(moves * 3)[:moves] * size + 0  # some neighbours, some gaps
+    dst_at = rng.permutation(moves * 3)[:moves] * size + 17  # unaligned
+    copy_arrays(dst.ctypes.data + dst_at, src.ctypes.data + src_at, np.full(moves, size))
+    expected = np.zeros_like(dst)
+    for d, s in zip(dst_at.tolist(), src_at.tolist(), strict=True):
+        expected[d:d + size] = src[s:s + size]
+    assert np.array_equal(dst, expected)
