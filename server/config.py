@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import os
 import re
+import socket
 import stat
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -160,6 +162,55 @@ class PoolEntry:
     size: int
     perms: Perm = Perm.RW
     allowed_engines: tuple[str, ...] = ()  # engines that may reach it; empty: every engine
+
+
+# ---------------------------------------------------------------- bind errors, one voice
+
+def probe_bind(host: str, port: int) -> OSError | None:
+    """Why `host:port` cannot be bound for listening (the OSError), or None when it can:
+    asked of the kernel with a plain socket (SO_REUSEADDR, as gRPC binds) before a server
+    tries, so the refusal says why instead of "port in use?" or a gRPC log line."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            bare or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return OSError(errno.EADDRNOTAVAIL, f"cannot resolve {bare!r}: {exc.strerror}")
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+            sock.listen(1)
+        except OSError as exc:
+            return exc
+    return None
+
+
+def bind_failure(what: str, host: str, port: int, setting: str, reason: OSError | str,
+                 host_setting: str = "key 'host' (--host)") -> str:
+    """The one shape of every bind error of hixl's daemons: what could not be served,
+    on which address, why, and the setting to change (`setting` names the port's, e.g.
+    "key 'data_port' (--data-port, HIXL_AGENT_DATA_PORT)")."""
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    code = reason.errno if isinstance(reason, OSError) else None
+    if code == errno.EADDRINUSE:
+        why = (f"port {port} is in use by another process (`ss -ltnp 'sport = :{port}'` "
+               f"shows which)")
+        fix = f"choose another port with {setting}, 0 for any free one, or stop that process"
+    elif code == errno.EADDRNOTAVAIL:
+        why = (f"{host!r} is not an address of this machine"
+               + (f" ({reason.strerror})" if isinstance(reason, OSError) and
+                  "resolve" in str(reason.strerror) else ""))
+        fix = (f"set {host_setting} to an address of this machine (`ip -brief address` "
+               "lists them), 127.0.0.1 for this host only")
+    elif code == errno.EACCES:
+        why = f"port {port} is privileged (below 1024) and this user may not bind it"
+        fix = f"choose a port of 1024 or above with {setting}"
+    else:
+        text = reason.strerror if isinstance(reason, OSError) else reason
+        why = str(text or reason)
+        fix = f"check {host_setting} and {setting}"
+    return f"cannot serve {what} on {address}: {why}; {fix}"
 
 
 # ---------------------------------------------------------------- converters

@@ -50,7 +50,14 @@ from hixl.etcd import UNAVAILABLE_ERRORS, Compare, Election, EtcdClient, EtcdCon
 from hixl.failover import parse_address
 from hixl.logs import setup_logging
 from hixl.metrics import CollectorRegistry, FunctionCollector
-from hixl.server.config import describe_keys, keys_from_parser, layer_values, parse_size
+from hixl.server.config import (
+    bind_failure,
+    describe_keys,
+    keys_from_parser,
+    layer_values,
+    parse_size,
+    probe_bind,
+)
 from hixl.server.leadership import Candidate, LeaderGate, Leadership
 from hixl.server.master_http import (
     HttpServer,
@@ -764,10 +771,20 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         interceptors=interceptors)
     add_registry_service(server, registry, expire_every_s=None)
     address = _bind_address(config.host, config.port)
+    port_setting = "--port (--rpc_port, key 'port', HIXL_MASTER_PORT)"
+    host_setting = "--host (--rpc_address, key 'host', HIXL_MASTER_HOST)"
+    # asked of the kernel first: gRPC's own refusal is a C-core log line saying no why
+    refusal: OSError | str | None = probe_bind(config.host, config.port)
+    port = 0
     try:
-        port = add_port(server, address, tls, interceptors)
+        port = 0 if refusal else add_port(server, address, tls, interceptors)
     except RuntimeError as exc:
-        print(f"hixl-master: cannot bind {address}: {exc}", file=sys.stderr, flush=True)
+        refusal = str(exc)
+    if not port:
+        refusal = refusal or probe_bind(config.host, config.port) or "gRPC could not bind it"
+        said = bind_failure("gRPC", config.host, config.port, port_setting, refusal,
+                            host_setting)
+        print(f"hixl-master: {said}", file=sys.stderr, flush=True)
         return 1
     loop = asyncio.get_running_loop()
     candidate: Candidate | None = None

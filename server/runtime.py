@@ -44,7 +44,7 @@ from hixl.registry_client import (
     owner_key_from_secret,
 )
 from hixl.server.agent import Agent
-from hixl.server.config import AgentConfig, prepare_runtime_dir
+from hixl.server.config import AgentConfig, bind_failure, prepare_runtime_dir, probe_bind
 from hixl.server.data_server import Peer
 from hixl.server.fd_server import FdServer, TicketBook, prepare_socket_path
 from hixl.server.grpc_service import AgentServicer, Endpoints, RegistryState
@@ -197,6 +197,19 @@ def _prefault_progress(name: str, size: int) -> Iterator[None]:
         ticker.join()
     log.info("pool segment %r: %s pre-faulted in %.1f s", name, _gib(size),
              time.monotonic() - started)
+
+
+def _claim_socket_path(path: str, port: int) -> None:
+    """prepare_socket_path, its refusal naming the settings that tell agents apart: two
+    agents on one host share a socket path when they share runtime_dir and grpc_port
+    (on different --host addresses, say)."""
+    try:
+        prepare_socket_path(path)
+    except ResourceExhausted as exc:
+        raise ResourceExhausted(
+            f"{exc.args[0]}: another agent with grpc_port {port} uses this runtime_dir; "
+            "give each agent on this host its own key 'runtime_dir' (--runtime-dir, "
+            "HIXL_AGENT_RUNTIME_DIR) or its own grpc_port (--grpc-port)") from None
 
 
 class Publisher:
@@ -510,12 +523,20 @@ class AgentServer:
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self._grpc = server
         address = f"{cfg.host}:{cfg.grpc_port}"
+        grpc_setting = "key 'grpc_port' (--grpc-port, HIXL_AGENT_GRPC_PORT)"
+        refusal = probe_bind(cfg.host, cfg.grpc_port)
+        if refusal is not None:
+            raise HixlError(bind_failure("gRPC", cfg.host, cfg.grpc_port, grpc_setting,
+                                         refusal))
         try:
             port = add_port(server, address, self._tls, interceptors)
         except RuntimeError as exc:
-            raise HixlError(f"cannot serve gRPC on {address}: {exc} (port in use?)") from None
+            raise HixlError(bind_failure("gRPC", cfg.host, cfg.grpc_port, grpc_setting,
+                                         str(exc))) from None
         if not port:
-            raise HixlError(f"cannot serve gRPC on {address} (port in use?)")
+            raise HixlError(bind_failure("gRPC", cfg.host, cfg.grpc_port, grpc_setting,
+                                         probe_bind(cfg.host, cfg.grpc_port)
+                                         or "gRPC could not bind it"))
         self.engine_name = f"{cfg.host}:{port}"
         if cfg.metrics_port:  # before the pool is pre-faulted: a taken port fails fast
             self.metrics = MetricsServer(self.metrics_registry, cfg.host, cfg.metrics_port,
@@ -531,15 +552,21 @@ class AgentServer:
 
         base = os.path.join(cfg.runtime_dir, f"agent-{port}")
         unix_data = f"{base}.data.sock" if cfg.data_unix else None
-        if unix_data:
-            prepare_socket_path(unix_data)
+        for path in (unix_data, f"{base}.fd.sock"):
+            if path:
+                _claim_socket_path(path, port)
         data_server_cls = _data_server_class()
         self._data = data_server_cls(agent.resolve, agent.epoch, tcp_host=cfg.host,
                                      tcp_port=cfg.data_port, unix_path=unix_data,
                                      cluster_token=token, unix_mode=cfg.socket_mode,
                                      handshake_timeout=cfg.data_handshake_timeout_s,
                                      preauth_connections=cfg.data_preauth_connections)
-        self._data.start()
+        try:
+            self._data.start()
+        except OSError as exc:
+            raise HixlError(bind_failure(
+                "the data path", cfg.host, cfg.data_port,
+                "key 'data_port' (--data-port, HIXL_AGENT_DATA_PORT)", exc)) from None
         if unix_data:
             self._sockets.append(unix_data)
 

@@ -292,7 +292,7 @@ def test_taken_port_fails_with_a_message(master: Master) -> None:
     result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--port", port],
                             capture_output=True, text=True, timeout=START_DEADLINE_S)
     assert result.returncode == 1
-    assert f"cannot bind 127.0.0.1:{port}" in result.stderr
+    assert f"cannot serve gRPC on 127.0.0.1:{port}: port {port} is in use" in result.stderr
 
 
 @pytest.mark.parametrize(("var", "value"), [
