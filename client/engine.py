@@ -25,7 +25,7 @@ from collections.abc import Mapping as MappingABC
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -186,8 +186,21 @@ def op_array(values: Any, name: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def op_arrays(local_addrs: Any, remote_addrs: Any, lengths: Any
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+class OpArrays(NamedTuple):
+    """A batch's ops as int64 arrays (op_arrays), with the bounds of each side: every op
+    starts at or after `*_low` and ends by `*_high` (the largest start plus the largest
+    length: a bound, not always reached)."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    sizes: np.ndarray
+    local_low: int
+    local_high: int
+    remote_low: int
+    remote_high: int
+
+
+def op_arrays(local_addrs: Any, remote_addrs: Any, lengths: Any) -> OpArrays:
     """(local, remote, lengths) as int64 arrays of one length, every op checked at once:
     positive lengths, non-negative addresses, no range past the 64-bit address space.
     `lengths` may be one int for every op. The first bad op raises, by index."""
@@ -207,9 +220,11 @@ def op_arrays(local_addrs: Any, remote_addrs: Any, lengths: Any
     smallest, largest = (int(lengths), int(lengths)) if sizes is not lengths and \
         not isinstance(lengths, np.ndarray) and np.ndim(lengths) == 0 \
         else (int(sizes.min()), int(sizes.max()))
-    if smallest > 0 and min(int(local.min()), int(remote.min())) >= 0 and \
-            max(int(local.max()), int(remote.max())) <= _INT64_MAX - largest:
-        return local, remote, sizes  # the usual batch: its bounds say every op is fine
+    bounds = OpArrays(local, remote, sizes, int(local.min()), int(local.max()) + largest,
+                      int(remote.min()), int(remote.max()) + largest)
+    if smallest > 0 and min(bounds.local_low, bounds.remote_low) >= 0 and \
+            max(bounds.local_high, bounds.remote_high) <= _INT64_MAX:
+        return bounds  # the usual batch: its bounds say every op is fine
     positive = np.maximum(sizes, 1)  # keeps the sums below from overflowing
     bad = (sizes <= 0) | (local < 0) | (remote < 0) | (local > _INT64_MAX - positive) | \
         (remote > _INT64_MAX - positive)
@@ -222,7 +237,7 @@ def op_arrays(local_addrs: Any, remote_addrs: Any, lengths: Any
                 raise ParamInvalid(exc.args[0], failed=[index]) from None
         raise ParamInvalid(f"op {index}: a range ends past 2**63 ({int(local[index]):#x}, "
                            f"{int(remote[index]):#x} + {int(sizes[index])})", failed=[index])
-    return local, remote, sizes
+    return bounds
 
 
 def _containing(table: AddressTable[Any], addrs: np.ndarray, sizes: np.ndarray
@@ -237,13 +252,15 @@ def _containing(table: AddressTable[Any], addrs: np.ndarray, sizes: np.ndarray
     return clipped, (where >= 0) & (addrs + sizes <= ends[clipped])
 
 
-def _one_range(table: AddressTable[Any], addrs: np.ndarray, sizes: np.ndarray) -> Any | None:
-    """The value of the one range of `table` holding every op, else None: the usual
-    batch (pages of one KV cache, into one heap) found from its bounds alone."""
-    hit = table.lookup(int(addrs.min()))
+def _one_range(table: AddressTable[Any], low: int, high: int, addrs: np.ndarray,
+               sizes: np.ndarray) -> Any | None:
+    """The value of the one range of `table` holding every op (starting at or after
+    `low`, ending by `high`), else None: the usual batch (pages of one KV cache, into
+    one heap) found from its bounds alone."""
+    hit = table.lookup(low)
     if hit is None:
         return None
-    if int(addrs.max()) + int(sizes.max()) <= hit[1] or int((addrs + sizes).max()) <= hit[1]:
+    if high <= hit[1] or int((addrs + sizes).max()) <= hit[1]:
         return hit[2]
     return None
 
@@ -252,7 +269,7 @@ def _plain_ints(values: Sequence[Any]) -> bool:
     return set(map(type, values)) <= {int}
 
 
-def _desc_arrays(descs: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _desc_arrays(descs: Any) -> OpArrays | None:
     """A long list batch as op_arrays, or None when any field is not a plain int or any
     desc is malformed (the scalar resolver then names the op and what is wrong)."""
     if type(descs) is not list and type(descs) is not tuple:
@@ -993,7 +1010,7 @@ class Engine:
         arrays = _desc_arrays(descs) if (type(descs) is list or type(descs) is tuple) and \
             len(descs) >= ARRAY_MIN_OPS else None
         if arrays is not None:  # a long list: checked and copied as arrays (one mechanism)
-            runs, socket_items, nbytes = self._resolve_arrays(peer, op, *arrays, local_registered)
+            runs, socket_items, nbytes = self._resolve_arrays(peer, op, arrays, local_registered)
             self._move(peer, op, runs, socket_items, nbytes, start, deadline)
             return
         fabric_items, socket_items, nbytes = self._resolve(peer, op, descs, local_registered)
@@ -1039,9 +1056,8 @@ class Engine:
         deadline = self._deadline(timeout)
         peer = self._peers.get(remote) or self._peer(remote)
         op = _check_op(op)
-        local, remote_at, sizes = op_arrays(local_addrs, remote_addrs, lengths)
-        runs, socket_items, nbytes = self._resolve_arrays(peer, op, local, remote_at, sizes,
-                                                          local_registered)
+        runs, socket_items, nbytes = self._resolve_arrays(
+            peer, op, op_arrays(local_addrs, remote_addrs, lengths), local_registered)
         self._move(peer, op, runs, socket_items, nbytes, start, deadline)
 
     def transfer_arrays_async(self, remote: str, op: TransferOp, local_addrs: Any,
@@ -1052,8 +1068,8 @@ class Engine:
         deadline = self._deadline(timeout)
         peer = self._peer(remote)
         op = _check_op(op)
-        local, remote_at, sizes = op_arrays(local_addrs, remote_addrs, lengths)
-        runs, socket_items, nbytes = self._resolve_arrays(peer, op, local, remote_at, sizes)
+        runs, socket_items, nbytes = self._resolve_arrays(
+            peer, op, op_arrays(local_addrs, remote_addrs, lengths))
         return self._launch(peer, op, runs, socket_items, nbytes, start, deadline, remote)
 
     def _move(self, peer: _Peer, op: TransferOp, fabric_items: list[Item] | Runs | None,
@@ -1161,9 +1177,8 @@ class Engine:
         peer.hint = segment
         return fabric_items, socket_items, nbytes
 
-    def _resolve_arrays(self, peer: _Peer, op: TransferOp, local: np.ndarray,
-                        remote: np.ndarray, sizes: np.ndarray, local_registered: bool = True
-                        ) -> tuple[Runs | None, list[Item], int]:
+    def _resolve_arrays(self, peer: _Peer, op: TransferOp, ops: OpArrays,
+                        local_registered: bool = True) -> tuple[Runs | None, list[Item], int]:
         """`_resolve` for arrays (from op_arrays): every op checked against both tables
         before any byte moves, all at once. Returns (the mapped path's runs or None, the
         socket path's items, bytes in all).
@@ -1179,8 +1194,10 @@ class Engine:
             self._refresh(peer)
         writing = op is _WRITE
         need = _NEED_WRITE if writing else _NEED_READ
-        handle = _one_range(self._local, local, sizes) if local_registered else True
-        segment = _one_range(peer.table, remote, sizes)
+        local, remote, sizes = ops.local, ops.remote, ops.sizes
+        handle = _one_range(self._local, ops.local_low, ops.local_high, local, sizes) \
+            if local_registered else True
+        segment = _one_range(peer.table, ops.remote_low, ops.remote_high, remote, sizes)
         if handle is not None and segment is not None and \
                 (writing or handle is True or not handle.readonly) and int(segment.perms) & need \
                 and (not segment.allowed_engines or self.name in segment.allowed_engines):

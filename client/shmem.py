@@ -818,6 +818,8 @@ class ShmemContext:
         heap = self._heap_addr
         if isinstance(moves, tuple):
             local, offsets, sizes = moves
+            if isinstance(sizes, int):
+                sizes = np.full(local.size, sizes, np.int64)
             heap_at = offsets + heap
             copy_arrays(heap_at, local, sizes) if writing else copy_arrays(local, heap_at, sizes)
             return
@@ -825,9 +827,9 @@ class ShmemContext:
                     for local, offset, n in moves])
 
     def _array_moves(self, what: str, batch: ArrayBatch, pe: int, writing: bool
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(local addresses, symmetric offsets, lengths) of an ArrayBatch's non-empty
-        moves, every one checked first with a few array operations: one registration of
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | int]:
+        """(local addresses, symmetric offsets, lengths: an array, or one int for all) of
+        an ArrayBatch's non-empty moves, every one checked first with a few array operations: one registration of
         the local buffer, one bounds check per side. A bad move raises naming its index."""
         from hixl.client.engine import op_array
 
@@ -849,7 +851,11 @@ class ShmemContext:
                 raise ParamInvalid(f"offset and length arrays differ in length: "
                                    f"{remote_at.size} {remote_name}_offsets, {local_at.size} "
                                    f"{local_name}_offsets, {sizes.size} lengths")
+            smallest, largest = (int(sizes.min()), int(sizes.max())) if sizes.size else (0, 0)
             for at, name, limit in ((remote_at, remote_name, room), (local_at, local_name, nbytes)):
+                if not at.size or smallest >= 0 and int(at.min()) >= 0 and \
+                        int(at.max()) + largest <= limit:
+                    continue  # the usual batch: its bounds are inside
                 bad = (sizes < 0) | (at < 0) | (at > limit - np.maximum(sizes, 0))
                 if bad.any():
                     index = int(np.argmax(bad))
@@ -860,9 +866,11 @@ class ShmemContext:
         except HixlError as exc:
             raise type(exc)(f"{what}: {exc.args[0]} (nothing moved)",
                             failed=[pe]) from None
-        keep = sizes > 0
-        if not keep.all():
+        if smallest <= 0:
+            keep = sizes > 0
             local_at, remote_at, sizes = local_at[keep], remote_at[keep], sizes[keep]
+        elif isinstance(lengths, int | np.integer) and not isinstance(lengths, bool):
+            sizes = int(lengths)  # one length for all: the engine needs no array of it
         return local_at + addr, remote_at + offset, sizes
 
     def _batch_moves(self, what: str, pairs: Any, pe: int,
