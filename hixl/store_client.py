@@ -60,7 +60,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -695,10 +696,12 @@ class MasterClient:
 
     def batch_get_replicas(self, keys: Sequence[str], timeout: float | None = None, *,
                            cache: bool = False) -> list[GetReplicasResult]:
-        """Where each key's value is; grants a read lease on each one found. `cache`:
+        """Where each key's value is; grants a read lease on each one found, and holds
+        its space for this client's read (see `batch_remove`'s `reads_done`). `cache`:
         also a cache lease (`cache_ttl_ms`, counted from before this call: see
         LocationCache)."""
-        reply = self._call("GetReplicas", store_pb2.KeysRequest(keys=list(keys), cache=cache),
+        reply = self._call("GetReplicas", store_pb2.KeysRequest(keys=list(keys), cache=cache,
+                                                                client_id=self.client_id),
                            f"get replicas of {len(keys)} key(s)", timeout)
         return [GetReplicasResult(r.code, r.size, tuple(replica_from_pb(p) for p in r.replicas),
                                   r.lease_ttl_ms, r.cache_ttl_ms) for r in reply.results]
@@ -729,11 +732,16 @@ class MasterClient:
     # -- removal ---------------------------------------------------------------------
 
     def batch_remove(self, keys: Sequence[str], force: bool = False,
-                     timeout: float | None = None) -> list[int]:
+                     timeout: float | None = None, *, reads_done: bool = False) -> list[int]:
         """Remove each key: OBJECT_HAS_LEASE while read-leased, unless `force` (then the
-        key goes at once and its space is reused only after the lease)."""
+        key goes at once and its space is reused once no read of it may be in flight).
+        `reads_done`: this client has no read of these keys in flight and no cached
+        locations of them (it promises so), so its own reads hold nothing back
+        (docs/store.md §4)."""
         reply = self._call("Remove",
-                           store_pb2.RemoveRequest(keys=list(keys), force=force),
+                           store_pb2.RemoveRequest(keys=list(keys), force=force,
+                                                   client_id=self.client_id if reads_done
+                                                   else ""),
                            f"remove of {len(keys)} key(s)", timeout)
         return list(reply.codes)
 
@@ -852,6 +860,56 @@ class LocationCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+class ReadGate:
+    """Which keys this client is reading now, so that its own removal may tell the master
+    that no read of them is in flight (`MasterClient.batch_remove(reads_done=True)`;
+    docs/store.md §4). Thread-safe.
+
+    A read enters before it asks anyone (master or LocationCache) where its keys are and
+    leaves once their bytes arrived. A removal waits, at most `wait_s`, until none of its
+    keys is being read, and keeps new reads of them out until its call returned: a read
+    that entered later asks the master, which answers after the removal. Keys that are
+    not strings (refused anyway) are not tracked."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._reading: Counter[str] = Counter()
+        self._removing: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def reading(self, keys: Iterable[Any]) -> Iterator[None]:
+        names = [k for k in keys if isinstance(k, str)]
+        with self._cond:
+            self._cond.wait_for(lambda: not any(self._removing[k] for k in names))
+            self._reading.update(names)
+        try:
+            yield
+        finally:
+            self._leave(self._reading, names)
+
+    @contextlib.contextmanager
+    def removing(self, keys: Iterable[Any], wait_s: float) -> Iterator[bool]:
+        """Yields True when no read of `keys` is in flight (none starts until the block
+        ends); False when reads were still running after `wait_s`."""
+        names = [k for k in keys if isinstance(k, str)]
+        with self._cond:
+            idle = self._cond.wait_for(lambda: not any(self._reading[k] for k in names),
+                                       timeout=wait_s)
+            self._removing.update(names)
+        try:
+            yield idle
+        finally:
+            self._leave(self._removing, names)
+
+    def _leave(self, counts: Counter[str], names: list[str]) -> None:
+        with self._cond:
+            counts.subtract(names)
+            for name in names:
+                if counts[name] <= 0:
+                    del counts[name]
+            self._cond.notify_all()
 
 
 # ---------------------------------------------------------------------------- reservations
@@ -1091,7 +1149,7 @@ __all__ = [
     "KeyListing", "KeyReplica", "KeyState", "LocationCache", "MasterClient", "MasterNotLeader",
     "MasterAuthenticationFailed", "MasterRpcError", "MasterUnavailable", "MountedSegment",
     "NOT_IDEMPOTENT",
-    "PutStartResult", "Replica", "ReplicaConfig", "ReplicaState", "Reservation",
+    "PutStartResult", "ReadGate", "Replica", "ReplicaConfig", "ReplicaState", "Reservation",
     "Placement", "ReserveResult", "ReservedRange", "ReservedSpace", "SegmentResult",
     "SoftPinAction", "StoreSegment", "key_info_from_pb", "key_info_to_pb", "master_error",
     "replica_config_from_pb",

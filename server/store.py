@@ -17,13 +17,15 @@ Semantics (Mooncake Store's master, plus persistence):
   after preferred segments and, if asked, the caller's node. Replicas land on distinct
   segments; fewer segments with room than `replica_num` gives fewer replicas (at least
   one), as in Mooncake.
-- **Leases.** `get_replicas` and `exist_keys` lease the object for
-  `default_kv_lease_ttl_ms`: until then it is neither evicted nor removed (unless
-  forced), and even a forced removal or an upsert keeps its space until the lease ends,
-  so a read under lease is never torn.
+- **Leases.** `get_replicas`, `exist_keys` and a client's `get_sizes` lease the object
+  for `default_kv_lease_ttl_ms`: until then it is neither evicted nor removed (unless
+  forced). A forced removal or an upsert keeps the space while a read of the value may
+  be in flight: until each reading client's lease ends, or that client's own removal
+  says its read is over (docs/store.md §4), so a read under lease is never torn.
 - **Eviction.** When usage crosses `eviction_high_watermark_ratio`, or a put finds no
   space, about `eviction_ratio` of the capacity is evicted, least recently used first,
-  soft-pinned objects last, never leased, hard-pinned or in-progress ones.
+  soft-pinned objects last, never leased, hard-pinned or in-progress ones, nor one whose
+  put was acknowledged less than `eviction_grace_ms` ago.
 - **Clients.** Mounting registers a client; heartbeats keep it for `client_ttl_s`. An
   expired client's segments are unmounted at once (they stop receiving allocations;
   replicas on them go; objects left with none are removed); an unknown client's
@@ -241,13 +243,16 @@ class StoreOptions:
     #: how long a client may read a value's locations from its cache (docs/store.md §3),
     #: at most the read lease; removing or replacing a cached value waits it out
     location_cache_ttl_ms: int = 500
+    #: an acknowledged put is not evicted for this long (a get right after it finds the
+    #: value; docs/store.md §4); puts that find no other room get NO_AVAILABLE_HANDLE
+    eviction_grace_ms: int = 1_000
 
     def check(self) -> None:
         """ConfigError naming the first unusable setting."""
         positive = ("default_kv_lease_ttl_ms", "default_kv_soft_pin_ttl_ms", "client_ttl_s",
                     "put_start_discard_timeout_s", "put_start_release_timeout_s",
                     "remount_grace_s", "snapshot_every_records", "reservation_ttl_ms",
-                    "reservation_bytes", "location_cache_ttl_ms")
+                    "reservation_bytes", "location_cache_ttl_ms", "eviction_grace_ms")
         for name in positive:
             value = getattr(self, name)
             if not value > 0:
@@ -427,8 +432,28 @@ class _Object:
     replicas: list[_Replica]
     hard_pin: bool = False
     soft_pin_until: float = 0.0
-    lease_until: float = 0.0
-    cache_until: float = 0.0     # clients may read its locations from their caches until
+    lease_until: float = 0.0     # Mooncake's read lease: no plain removal or eviction before
+    #: reader client -> when a read it started may still be in flight (its read lease's
+    #: end, or until its own Remove says the read is over): a removed or replaced value's
+    #: space is reused only after the last (docs/store.md §4)
+    reads: dict[str, float] = field(default_factory=dict)
+    #: client -> end of its cache lease: it may read the value's locations from its
+    #: cache until then; whatever removes or replaces the value returns after the last
+    caches: dict[str, float] = field(default_factory=dict)
+    installed: float = 0.0       # when its put was acknowledged (eviction spares it a while)
+
+    def read_until(self) -> float:
+        return max(self.reads.values(), default=0.0)
+
+    def cache_until(self) -> float:
+        return max(self.caches.values(), default=0.0)
+
+    def hold(self, holds: dict[str, float], client_id: str, until: float, now: float) -> None:
+        """Extend `client_id`'s entry in `holds` (reads or caches) to `until`, dropping
+        entries that ended (a dict per object stays as small as its current readers)."""
+        for ended in [c for c, t in holds.items() if t <= now]:
+            del holds[ended]
+        holds[client_id] = max(holds.get(client_id, 0.0), until)
 
     def record(self, key: str) -> list[Any]:
         return [key, self.size, self.hard_pin, [r.record() for r in self.replicas]]
@@ -744,7 +769,7 @@ class ObjectStore:
             soft_until = now + ttl_ms / 1000
         elif action == SoftPinAction.DISABLE:
             soft_until = 0.0
-        obj = _Object(size, replicas, config.with_hard_pin, soft_until)
+        obj = _Object(size, replicas, config.with_hard_pin, soft_until, installed=now)
         self._install_locked(key, obj)
         self._counters["puts"] += 1
         return obj.record(key)
@@ -943,10 +968,12 @@ class ObjectStore:
     # -- reads ---------------------------------------------------------------------------
 
     def get_replicas(self, keys: Sequence[str], *, cache: bool = False,
-                     ) -> list[GetReplicasResult]:
-        """Readable replicas of each key, leasing each object found. `cache`: the caller
-        may read from them without asking again for `cache_ttl_ms` (at most the lease),
-        and whatever removes or replaces the value returns only after that."""
+                     client_id: str = "") -> list[GetReplicasResult]:
+        """Readable replicas of each key, leasing each object found and holding its
+        space for `client_id`'s read until the lease ends (or that client's own removal
+        says the read is over: `remove(..., reader=)`). `cache`: the caller may read from
+        them without asking again for `cache_ttl_ms` (at most the lease), and whatever
+        removes or replaces the value returns only after that."""
         ttl_ms = self.options.default_kv_lease_ttl_ms
         cache_ms = min(self.options.location_cache_ttl_ms, ttl_ms) if cache else 0
         results = []
@@ -957,8 +984,9 @@ class ObjectStore:
                 if obj is None or code != ErrorCode.OK:
                     results.append(GetReplicasResult(code))
                     continue
+                obj.hold(obj.reads, client_id, obj.lease_until, now)
                 if cache_ms:
-                    obj.cache_until = max(obj.cache_until, now + cache_ms / 1000)
+                    obj.hold(obj.caches, client_id, now + cache_ms / 1000, now)
                 results.append(GetReplicasResult(
                     ErrorCode.OK, obj.size,
                     tuple(r.describe(ReplicaState.COMPLETE) for r in live), ttl_ms, cache_ms))
@@ -971,13 +999,15 @@ class ObjectStore:
             now = self._sweep_locked()
             return [self._readable_locked(key, now, lease=True)[0] for key in keys]
 
-    def get_sizes(self, keys: Sequence[str]) -> list[int]:
-        """Each value's size, or a negative ErrorCode (no lease)."""
+    def get_sizes(self, keys: Sequence[str], *, lease: bool = False) -> list[int]:
+        """Each value's size, or a negative ErrorCode. `lease`: a client's read (the
+        GetSize call), leased and an access like every other, as in Mooncake (a plain
+        remove right after it is OBJECT_HAS_LEASE); without it a look that holds nothing."""
         with self._lock:
             now = self._sweep_locked()
             sizes = []
             for key in keys:
-                code, obj, _ = self._readable_locked(key, now, lease=False)
+                code, obj, _ = self._readable_locked(key, now, lease=lease)
                 sizes.append(obj.size if obj is not None and code == ErrorCode.OK else code)
             return sizes
 
@@ -997,15 +1027,22 @@ class ObjectStore:
 
     # -- removal -------------------------------------------------------------------------
 
-    def remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
-        """Remove each key; OBJECT_HAS_LEASE while leased unless `force` (the space then
-        waits for the lease to end)."""
+    def remove(self, keys: Sequence[str], *, force: bool = False,
+               reader: str = "") -> list[int]:
+        """Remove each key; OBJECT_HAS_LEASE while leased unless `force`. `reader`: the
+        calling client, which has no read of these keys in flight and dropped its cached
+        locations of them, so its own read and cache holds end here; the space of a
+        removed value is reused once no other client's read may be in flight, and the call
+        returns once no other client may read it from a cache (docs/store.md §4)."""
         codes: list[int] = []
         removed: list[str] = []
         with self._lock:
             now = self._sweep_locked()
             for key in keys:
                 obj = self._objects.get(key)
+                if obj is not None and reader:
+                    obj.reads.pop(reader, None)
+                    obj.caches.pop(reader, None)
                 if obj is None:
                     codes.append(ErrorCode.OBJECT_NOT_FOUND)
                 elif obj.lease_until > now and not force:
@@ -1283,8 +1320,10 @@ class ObjectStore:
             return 0
         plain: list[str] = []
         pinned: list[str] = []
+        fresh = now - self.options.eviction_grace_ms / 1000
         for key, obj in self._objects.items():
-            if obj.hard_pin or obj.lease_until > now or key in self._puts_by_key:
+            if (obj.hard_pin or obj.lease_until > now or key in self._puts_by_key
+                    or obj.installed > fresh):
                 continue
             if not any(r.segment.live for r in obj.replicas):
                 continue  # frees nothing allocations could use
@@ -1330,12 +1369,13 @@ class ObjectStore:
             replica.segment.keys.add(key)
 
     def _release_object_locked(self, key: str, obj: _Object, now: float) -> None:
-        """Detach a removed/replaced object; its space waits for its lease, if any, and
-        the call that removed it returns only once no client may read it from a cache."""
-        self._cache_wait_until = max(self._cache_wait_until, obj.cache_until)
+        """Detach a removed/replaced object; its space waits for the reads that may
+        still be in flight, and the call that removed it returns only once no client may
+        read it from a cache (docs/store.md §4)."""
+        self._cache_wait_until = max(self._cache_wait_until, obj.cache_until())
         for replica in obj.replicas:
             replica.segment.keys.discard(key)
-            self._free_replica_locked(replica, obj.lease_until, now)
+            self._free_replica_locked(replica, obj.read_until(), now)
 
     def _remove_locked(self, key: str, now: float) -> None:
         self._release_object_locked(key, self._objects.pop(key), now)
@@ -1359,7 +1399,7 @@ class ObjectStore:
         dropped = 0
         # clients may read replicas here from their caches until then: the caller waits
         # for it, and the same memory mounted again lends nothing out before it
-        cached = max((self._objects[key].cache_until for key in segment.keys), default=0.0)
+        cached = max((self._objects[key].cache_until() for key in segment.keys), default=0.0)
         self._cache_wait_until = max(self._cache_wait_until, cached)
         if cached > self._clock():
             self._quarantine[segment.ident] = cached
@@ -1505,6 +1545,7 @@ class ObjectStore:
         lease = now + self.options.default_kv_lease_ttl_ms / 1000
         for obj in self._objects.values():
             obj.lease_until = lease
+            obj.reads[""] = lease
         self._replica_ids = itertools.count(max_replica + 1)
         log.info("store recovered from %s: %d objects in %d segments awaiting remount",
                  backend.describe(), len(self._objects), len(self._segments))

@@ -204,7 +204,8 @@ class StoreCalls:
         return store_pb2.CodesReply(codes=codes)
 
     def get_replicas(self, request: store_pb2.KeysRequest) -> store_pb2.GetReplicasReply:
-        results = self.store.get_replicas(list(request.keys), cache=request.cache)
+        results = self.store.get_replicas(list(request.keys), cache=request.cache,
+                                          client_id=request.client_id)
         self._tally("GetReplicas", (r.code for r in results))
         return store_pb2.GetReplicasReply(results=[
             store_pb2.GetReplicasResult(code=r.code, size=r.size, lease_ttl_ms=r.lease_ttl_ms,
@@ -218,12 +219,13 @@ class StoreCalls:
         return store_pb2.CodesReply(codes=codes)
 
     def get_size(self, request: store_pb2.KeysRequest) -> store_pb2.GetSizeReply:
-        sizes = self.store.get_sizes(list(request.keys))
+        sizes = self.store.get_sizes(list(request.keys), lease=True)
         self._tally("GetSize", (min(size, ErrorCode.OK) for size in sizes))  # a size is OK
         return store_pb2.GetSizeReply(sizes=sizes)
 
     def remove(self, request: store_pb2.RemoveRequest) -> store_pb2.CodesReply:
-        codes = self.store.remove(list(request.keys), force=request.force)
+        codes = self.store.remove(list(request.keys), force=request.force,
+                                  reader=request.client_id)
         self._tally("Remove", codes)
         return store_pb2.CodesReply(codes=codes)
 

@@ -69,6 +69,7 @@ from hixl.store_client import (
     MasterClient,
     MasterRpcError,
     PutStartResult,
+    ReadGate,
     Replica,
     ReplicaConfig,
     ReservedSpace,
@@ -473,6 +474,7 @@ class MooncakeDistributedStore:
         self._master: MasterClient | None = None
         self._space: ReservedSpace | None = None  # for puts in one round trip
         self._locations = LocationCache()            # for gets without the master
+        self._reads = ReadGate()                     # our reads in flight, for our removals
         self._segment: StoreSegment | None = None
         self._segment_local = False           # the segment is memory of this process
         self._segment_shm: ShmSegment | None = None
@@ -1352,20 +1354,21 @@ class MooncakeDistributedStore:
         """Values for Python: `make(size)` returns a new object and the address of its
         memory, and the value is read straight into it from the nearest replica (one
         copy); failures give `empty`, logged once."""
-        found = self._locate(keys)
-        out: list[Any] = [empty] * len(keys)
-        codes = [0] * len(keys)
-        reasons: dict[int, str] = {}
-        made: dict[int, Any] = {}
-        jobs = []
-        for index, result in enumerate(found):
-            if isinstance(result, tuple):
-                codes[index], reasons[index] = result
-                continue
-            made[index], addr = make(result.size)
-            if result.size:
-                jobs.append((index, result, [(addr, 0, result.size)]))
-        failed = self._read(jobs) if jobs else {}
+        with self._reads.reading(keys):
+            found = self._locate(keys)
+            out: list[Any] = [empty] * len(keys)
+            codes = [0] * len(keys)
+            reasons: dict[int, str] = {}
+            made: dict[int, Any] = {}
+            jobs = []
+            for index, result in enumerate(found):
+                if isinstance(result, tuple):
+                    codes[index], reasons[index] = result
+                    continue
+                made[index], addr = make(result.size)
+                if result.size:
+                    jobs.append((index, result, [(addr, 0, result.size)]))
+            failed = self._read(jobs) if jobs else {}
         for index, value in made.items():
             if index in failed:
                 codes[index], reasons[index] = ErrorCode.TRANSFER_FAIL, failed[index]
@@ -1381,28 +1384,29 @@ class MooncakeDistributedStore:
         per key the value's size or a negative code."""
         asked = [i for i, d in enumerate(dests) if not isinstance(d, int)]
         codes = [d if isinstance(d, int) else 0 for d in dests]
-        found = self._locate([keys[i] for i in asked]) if asked else []
-        jobs = []
-        for index, result in zip(asked, found, strict=True):
-            if isinstance(result, tuple):
-                codes[index], reasons[index] = result
-                continue
-            parts = dests[index]
-            assert not isinstance(parts, int)
-            room = sum(length for _, length in parts)
-            if room < result.size:
-                codes[index] = ErrorCode.BUFFER_OVERFLOW
-                reasons[index] = f"the value has {result.size} bytes; the buffer holds {room}"
-                continue
-            pieces, left = [], result.size
-            for addr, offset, length in _pieces(parts):
-                if left <= 0:
-                    break
-                pieces.append((addr, offset, min(length, left)))
-                left -= length
-            jobs.append((index, result, pieces))
-            codes[index] = result.size
-        failed = self._read(jobs)
+        with self._reads.reading([keys[i] for i in asked]):
+            found = self._locate([keys[i] for i in asked]) if asked else []
+            jobs = []
+            for index, result in zip(asked, found, strict=True):
+                if isinstance(result, tuple):
+                    codes[index], reasons[index] = result
+                    continue
+                parts = dests[index]
+                assert not isinstance(parts, int)
+                room = sum(length for _, length in parts)
+                if room < result.size:
+                    codes[index] = ErrorCode.BUFFER_OVERFLOW
+                    reasons[index] = f"the value has {result.size} bytes; the buffer holds {room}"
+                    continue
+                pieces, left = [], result.size
+                for addr, offset, length in _pieces(parts):
+                    if left <= 0:
+                        break
+                    pieces.append((addr, offset, min(length, left)))
+                    left -= length
+                jobs.append((index, result, pieces))
+                codes[index] = result.size
+            failed = self._read(jobs)
         for index, reason in failed.items():
             codes[index], reasons[index] = ErrorCode.TRANSFER_FAIL, reason
         self._report(what, keys, codes, reasons)
@@ -1662,43 +1666,44 @@ class MooncakeDistributedStore:
                     for count in per_key] for per_key in shape]
             shape = [[count or 0 for count in per_key] for per_key in shape]
             keys = sorted({k for per_buffer in all_keys for k in per_buffer}, key=str)
-            found = dict(zip(keys, self._locate(keys), strict=True))
-            jobs: list[tuple[int, GetReplicasResult, list[tuple[int, int, int]]]] = []
-            where: list[tuple[int, int, int]] = []
-            reasons: dict[int, str] = {}
-            flat: list[int] = []
-            names: list[str] = []
-            for i, per_key in enumerate(shape):
-                for j, count in enumerate(per_key):
-                    key = all_keys[i][j]
-                    for k in range(count):
-                        slot = len(flat)
-                        names.append(key)
-                        where.append((i, j, k))
-                        result = found[key]
-                        if isinstance(result, tuple):
-                            flat.append(result[0])
-                            reasons[slot] = result[1]
-                            continue
-                        try:
-                            dst = _int(buffer_ptrs[i], "buffer_ptr") + _int(
-                                all_dst_offsets[i][j][k], "dst offset")
-                            src = _int(all_src_offsets[i][j][k], "src offset")
-                            size = _int(all_sizes[i][j][k], "size")
-                            if src < 0 or size < 0 or src + size > result.size:
-                                raise StoreError(ErrorCode.INVALID_PARAMS, (
-                                    f"range [{src}, +{size}) is outside the {result.size}-byte "
-                                    "value"))
-                            self._registered(dst, size, "get_into_ranges")
-                        except StoreError as exc:
-                            flat.append(exc.code)
-                            reasons[slot] = str(exc.args[0])
-                            continue
-                        flat.append(size)
-                        if size:
-                            jobs.append((slot, result, [(dst, src, size)]))
-            for slot, reason in self._read(jobs).items():
-                flat[slot], reasons[slot] = ErrorCode.TRANSFER_FAIL, reason
+            with self._reads.reading(keys):
+                found = dict(zip(keys, self._locate(keys), strict=True))
+                jobs: list[tuple[int, GetReplicasResult, list[tuple[int, int, int]]]] = []
+                where: list[tuple[int, int, int]] = []
+                reasons: dict[int, str] = {}
+                flat: list[int] = []
+                names: list[str] = []
+                for i, per_key in enumerate(shape):
+                    for j, count in enumerate(per_key):
+                        key = all_keys[i][j]
+                        for k in range(count):
+                            slot = len(flat)
+                            names.append(key)
+                            where.append((i, j, k))
+                            result = found[key]
+                            if isinstance(result, tuple):
+                                flat.append(result[0])
+                                reasons[slot] = result[1]
+                                continue
+                            try:
+                                dst = _int(buffer_ptrs[i], "buffer_ptr") + _int(
+                                    all_dst_offsets[i][j][k], "dst offset")
+                                src = _int(all_src_offsets[i][j][k], "src offset")
+                                size = _int(all_sizes[i][j][k], "size")
+                                if src < 0 or size < 0 or src + size > result.size:
+                                    raise StoreError(ErrorCode.INVALID_PARAMS, (
+                                        f"range [{src}, +{size}) is outside the {result.size}-byte "
+                                        "value"))
+                                self._registered(dst, size, "get_into_ranges")
+                            except StoreError as exc:
+                                flat.append(exc.code)
+                                reasons[slot] = str(exc.args[0])
+                                continue
+                            flat.append(size)
+                            if size:
+                                jobs.append((slot, result, [(dst, src, size)]))
+                for slot, reason in self._read(jobs).items():
+                    flat[slot], reasons[slot] = ErrorCode.TRANSFER_FAIL, reason
             for slot, (i, j, k) in enumerate(where):
                 out[i][j][k] = int(flat[slot])
             self._report("get_into_ranges", names, flat, reasons)
@@ -1764,8 +1769,14 @@ class MooncakeDistributedStore:
             codes = [int(ErrorCode.INVALID_KEY) if _key_problem(k) else OK for k in keys]
             ask = [i for i, c in enumerate(codes) if c == OK]
             if ask:
-                for i, code in zip(ask, master.batch_remove([keys[i] for i in ask], bool(force)),
-                                   strict=True):
+                names = [keys[i] for i in ask]
+                # once our own reads of them are over (and none starts meanwhile) and our
+                # cached locations are gone, the master need not wait for us: the space
+                # is free again at once unless another client reads it (docs/store.md §4)
+                with self._reads.removing(names, self._master_timeout) as idle:
+                    self._locations.drop(names)
+                    found = master.batch_remove(names, bool(force), reads_done=idle)
+                for i, code in zip(ask, found, strict=True):
                     codes[i] = code
             self._report(what, keys, codes, {i: _REMOVE_REASONS.get(c, f"master: {code_name(c)}")
                                              for i, c in enumerate(codes)})

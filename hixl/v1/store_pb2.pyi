@@ -207,12 +207,14 @@ class CodesReply(_message.Message):
     def __init__(self, codes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys", "cache")
+    __slots__ = ("keys", "cache", "client_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     cache: bool
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., cache: _Optional[bool] = ...) -> None: ...
+    client_id: str
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., cache: _Optional[bool] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class GetReplicasResult(_message.Message):
     __slots__ = ("code", "size", "replicas", "lease_ttl_ms", "cache_ttl_ms")
@@ -241,12 +243,14 @@ class GetSizeReply(_message.Message):
     def __init__(self, sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RemoveRequest(_message.Message):
-    __slots__ = ("keys", "force")
+    __slots__ = ("keys", "force", "client_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     force: bool
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ...) -> None: ...
+    client_id: str
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class RemoveByRegexRequest(_message.Message):
     __slots__ = ("regex", "force")
