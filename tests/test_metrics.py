@@ -39,6 +39,7 @@ from hixl.errors import (
 )
 from hixl.memory import buffer_range
 from hixl.server.config import AgentConfig
+from hixl.server.store import StoreOptions
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS
@@ -354,7 +355,10 @@ def test_master_counts_objects_space_results_and_evictions(metrics_master) -> No
         assert value(full, "hixl_store_puts_committed_total") == 4
         assert value(full, "hixl_store_evictions_total") == 0
 
-        # no room for a fifth: the least recently used object (key-0) is evicted for it
+        # no room for a fifth: the least recently used object (key-0) is evicted for it,
+        # once the four are older than the eviction grace (a put just acknowledged is
+        # never evicted; both processes read the same monotonic clock)
+        time.sleep(StoreOptions().eviction_grace_ms / 1000)
         fifth = client.put_start("key-4", quarter)
         assert fifth.code == ErrorCode.OK
         assert client.put_end("key-4", fifth.put_id) == ErrorCode.OK
