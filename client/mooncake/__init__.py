@@ -14,6 +14,7 @@ from hixl.client.mooncake.store import (
     BufferHandle,
     MooncakeConfig,
     MooncakeDistributedStore,
+    ObjectDataType,
     ReplicateConfig,
     SoftPinAction,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "BufferHandle",
     "MooncakeConfig",
     "MooncakeDistributedStore",
+    "ObjectDataType",
     "ReplicateConfig",
     "SoftPinAction",
     "TransferEngine",

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import json
 import logging
 import os
@@ -256,13 +257,29 @@ class MooncakeConfig:
                 "client_http_port": self.client_http_port}
 
 
+class ObjectDataType(enum.IntEnum):
+    """Mooncake's ObjectDataType (what a value holds), for `ReplicateConfig.data_type`:
+    accepted and not used (no tier here decides by it)."""
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
 @dataclass
 class ReplicateConfig:
     """Mooncake's ReplicateConfig: how many copies, where, and pinning.
 
     `preferred_segment` / `preferred_segments` are segment names ("host:port", as
-    `get_hostname()` returns) tried first. nof/dfs replicas and group_ids are accepted
-    and not used (no SSD or DFS tier here).
+    `get_hostname()` returns) tried first. nof/dfs replicas, preferred_nof_segments,
+    group_ids and data_type are accepted and not used (no SSD or DFS tier here).
     """
 
     replica_num: int = 1
@@ -277,6 +294,8 @@ class ReplicateConfig:
     preferred_segments: list[str] = field(default_factory=list)
     prefer_alloc_in_same_node: bool = False
     group_ids: list[str] = field(default_factory=list)
+    preferred_nof_segments: list[str] = field(default_factory=list)
+    data_type: ObjectDataType = ObjectDataType.UNKNOWN
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "soft_pin_ttl_ms" and value is not None and (
@@ -800,6 +819,10 @@ class MooncakeDistributedStore:
             log.info("remounted segment %s/%d at master %s (%d objects served again)",
                      segment.engine, segment.segment_id, master.target, result.objects)
             return True
+
+    def get_offload_rpc_read_count(self) -> int:
+        """Reads served from an SSD offload tier by RPC: always 0 (there is none here)."""
+        return 0
 
     def health_check(self) -> int:
         """0 healthy, 1 not set up (or closed), 2 master unreachable."""
@@ -1532,6 +1555,15 @@ class MooncakeDistributedStore:
         return self._put_from("batch_upsert_from", keys,
                               *self._one_part(keys, buffer_ptrs, sizes), config, upsert=True)
 
+    def put_from_with_metadata(self, key: str, buffer_ptr: int, metadata_buffer_ptr: int,
+                               size: int, metadata_size: int,
+                               config: ReplicateConfig | None = None) -> int:
+        """One value of `metadata_size` bytes at `metadata_buffer_ptr` followed by `size`
+        bytes at `buffer_ptr` (Mooncake's order: metadata first), gathered zero-copy."""
+        return self._single(self._put_from(
+            "put_from_with_metadata", [key], [[metadata_buffer_ptr, buffer_ptr]],
+            [[metadata_size, size]], config, upsert=False))
+
     def batch_put_from_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]],
                                      config: ReplicateConfig | None = None) -> list[int]:
@@ -2082,5 +2114,5 @@ def _engine_in_port_range(host: str, options: dict[str, str], registry: str) -> 
                      f"tried {'; '.join(tried)}")
 
 
-__all__ = ["BufferHandle", "MooncakeConfig", "MooncakeDistributedStore", "ReplicateConfig",
-           "SoftPinAction", "StoreError", "bind_to_numa_node", "parse_size"]
+__all__ = ["BufferHandle", "MooncakeConfig", "MooncakeDistributedStore", "ObjectDataType",
+           "ReplicateConfig", "SoftPinAction", "StoreError", "bind_to_numa_node", "parse_size"]
