@@ -1052,25 +1052,33 @@ class Engine:
         as `transfer` (the first bad op raises, by index, nothing moved); ops whose
         segment is not mapped take the socket path as Items, as in `transfer`.
         """
+        self._transfer_ops(remote, op, op_arrays(local_addrs, remote_addrs, lengths),
+                           timeout, local_registered=local_registered)
+
+    def _transfer_ops(self, remote: str, op: TransferOp, ops: OpArrays, timeout: float, *,
+                      wait: bool = True, local_registered: bool = True
+                      ) -> TransferRequest | None:
+        """transfer_arrays (`wait=False`: its async form) of arrays op_arrays checked, or
+        that a caller in this package built with true bounds (hixl.shmem: offsets it
+        checked against its objects): the table checks still run, on those bounds."""
         start = _monotonic()
         deadline = self._deadline(timeout)
         peer = self._peers.get(remote) or self._peer(remote)
         op = _check_op(op)
-        runs, socket_items, nbytes = self._resolve_arrays(
-            peer, op, op_arrays(local_addrs, remote_addrs, lengths), local_registered)
+        runs, socket_items, nbytes = self._resolve_arrays(peer, op, ops, local_registered)
+        if not wait:
+            return self._launch(peer, op, runs, socket_items, nbytes, start, deadline, remote)
         self._move(peer, op, runs, socket_items, nbytes, start, deadline)
+        return None
 
     def transfer_arrays_async(self, remote: str, op: TransferOp, local_addrs: Any,
                               remote_addrs: Any, lengths: Any, timeout: float = 30.0
                               ) -> TransferRequest:
         """`transfer_arrays` in the background, as `transfer_async`: checked now."""
-        start = _monotonic()
-        deadline = self._deadline(timeout)
-        peer = self._peer(remote)
-        op = _check_op(op)
-        runs, socket_items, nbytes = self._resolve_arrays(
-            peer, op, op_arrays(local_addrs, remote_addrs, lengths))
-        return self._launch(peer, op, runs, socket_items, nbytes, start, deadline, remote)
+        request = self._transfer_ops(remote, op, op_arrays(local_addrs, remote_addrs, lengths),
+                                     timeout, wait=False)
+        assert request is not None
+        return request
 
     def _move(self, peer: _Peer, op: TransferOp, fabric_items: list[Item] | Runs | None,
               socket_items: list[Item], nbytes: int, start: float, deadline: float) -> None:

@@ -668,8 +668,7 @@ class ShmemContext:
         engine, base, _ = self._peers[pe]
         try:
             if isinstance(moves, tuple):
-                local, offsets, sizes = moves
-                self._engine.transfer_arrays(engine, op, local, offsets + base, sizes, timeout)
+                self._engine._transfer_ops(engine, op, _op_arrays(moves, base), timeout)
             else:
                 self._engine.transfer(engine, op, self._descs(pe, moves), timeout)
         except HixlError as exc:
@@ -681,9 +680,8 @@ class ShmemContext:
         engine, base, _ = self._peers[pe]
         try:
             if isinstance(moves, tuple):
-                local, offsets, sizes = moves
-                request = self._engine.transfer_arrays_async(engine, op, local, offsets + base,
-                                                             sizes, timeout)
+                request = self._engine._transfer_ops(engine, op, _op_arrays(moves, base),
+                                                     timeout, wait=False)
             else:
                 request = self._engine.transfer_async(engine, op, self._descs(pe, moves),
                                                       timeout)
@@ -818,8 +816,6 @@ class ShmemContext:
         heap = self._heap_addr
         if isinstance(moves, tuple):
             local, offsets, sizes = moves
-            if isinstance(sizes, int):
-                sizes = np.full(local.size, sizes, np.int64)
             heap_at = offsets + heap
             copy_arrays(heap_at, local, sizes) if writing else copy_arrays(local, heap_at, sizes)
             return
@@ -827,9 +823,9 @@ class ShmemContext:
                     for local, offset, n in moves])
 
     def _array_moves(self, what: str, batch: ArrayBatch, pe: int, writing: bool
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | int]:
-        """(local addresses, symmetric offsets, lengths: an array, or one int for all) of
-        an ArrayBatch's non-empty moves, every one checked first with a few array operations: one registration of
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(local addresses, symmetric offsets, lengths) of an ArrayBatch's non-empty
+        moves, every one checked first with a few array operations: one registration of
         the local buffer, one bounds check per side. A bad move raises naming its index."""
         from hixl.client.engine import op_array
 
@@ -869,8 +865,6 @@ class ShmemContext:
         if smallest <= 0:
             keep = sizes > 0
             local_at, remote_at, sizes = local_at[keep], remote_at[keep], sizes[keep]
-        elif isinstance(lengths, int | np.integer) and not isinstance(lengths, bool):
-            sizes = int(lengths)  # one length for all: the engine needs no array of it
         return local_at + addr, remote_at + offset, sizes
 
     def _batch_moves(self, what: str, pairs: Any, pe: int,
@@ -1278,6 +1272,18 @@ class ShmemContext:
     @property
     def finalized(self) -> bool:
         return self._finalized
+
+
+def _op_arrays(moves: tuple[np.ndarray, np.ndarray, np.ndarray], base: int) -> Any:
+    """An ArrayBatch's checked moves (local address, symmetric offset, length; every
+    length positive, every range inside its object) as the engine's OpArrays toward a
+    heap at `base`, with their bounds (the engine checks them against its tables)."""
+    from hixl.client.engine import OpArrays
+
+    local, offsets, sizes = moves
+    largest = int(sizes.max())
+    return OpArrays(local, offsets + base, sizes, int(local.min()), int(local.max()) + largest,
+                    base + int(offsets.min()), base + int(offsets.max()) + largest)
 
 
 def _shape(shape: Any) -> tuple[int, ...]:
