@@ -62,6 +62,10 @@ def explain(exc: BaseException, role: str, target: str, timeout: float) -> str:
     detail = " ".join(str(exc.args[0] if exc.args else exc).split())
     # the client's message starts with "<call> at agent <target>: "; the line names it already
     detail = detail.split(f"{target}: ", 1)[-1]
+    # "unreachable (<why>)" after the reason "unreachable (...)": say the word once
+    word = reason.split(" ", 1)[0]
+    if detail.startswith(f"{word} (") and detail.endswith(")"):
+        detail = detail[len(word) + 2:-1]
     return f"{role} {target}: {reason}: {detail}"
 
 

@@ -607,7 +607,10 @@ def run_shmem_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hixl import __version__
+
     parser = argparse.ArgumentParser(prog="hixl", description="hixl command-line tools")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from hixl.client import kv_offload_bench, moe_bench
 

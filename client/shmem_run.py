@@ -11,7 +11,11 @@ PE numbers (`--first-pe`, `--n-pes` for the job's size, the same `--job`).
 A job never hangs on a dead PE: when one exits non-zero (or is killed), the others get
 SIGTERM and, after a grace period, SIGKILL; `--timeout` bounds the whole job the same
 way. Every line a PE prints is passed on prefixed with "[pe N] ". The exit status is 0
-when every PE exited 0, else the first failure's (128 + signal for a killed one).
+when every PE exited 0, else the failed PE's (128 + signal for a killed one).
+
+The PE blamed is the one that raised first (the first to print a Python traceback), not
+merely the first to exit: a PE that raises tears its agent down at exit, which fails its
+peers' calls, and they may well exit before it does.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class JobResult:
     failed_pe: int | None = None
     timed_out: bool = False
     reasons: list[str] = field(default_factory=list)
+    #: the PEs that printed a Python traceback, in the order their first one arrived
+    tracebacks: list[int] = field(default_factory=list)
+    first_exit: tuple[int, int] | None = None  # (PE, status) of the first non-zero exit
 
     @property
     def ok(self) -> bool:
@@ -60,9 +67,16 @@ class JobResult:
         return 124  # timed out, as timeout(1)
 
 
-def _pump(stream: IO[str], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def _pump(stream: IO[str], pe: int, out: IO[str], lock: threading.Lock,
+          result: JobResult) -> None:
+    prefix = f"[pe {pe}] "
     for line in stream:
         with lock:
+            if line.startswith(TRACEBACK) and pe not in result.tracebacks:
+                result.tracebacks.append(pe)
             out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
             out.flush()
 
@@ -103,7 +117,7 @@ def run_job(command: Sequence[str], n_local: int, *, bootstrap: str | None = Non
                                         text=True, start_new_session=True)
                 procs[pe] = proc
                 assert proc.stdout is not None
-                pump = threading.Thread(target=_pump, args=(proc.stdout, f"[pe {pe}] ", out, lock),
+                pump = threading.Thread(target=_pump, args=(proc.stdout, pe, out, lock, result),
                                         daemon=True, name=f"shmem-run-pe{pe}")
                 pump.start()
                 pumps.append(pump)
@@ -112,7 +126,27 @@ def run_job(command: Sequence[str], n_local: int, *, bootstrap: str | None = Non
             _stop_all(procs, result)
             for pump in pumps:
                 pump.join(GRACE_S)
+            _blame(result)
         return result
+
+
+def _blame(result: JobResult) -> None:
+    """Name the PE that failed first: the first to raise, else the first to exit non-zero
+    (decided once every PE's output was read, so a late traceback still counts)."""
+    if result.first_exit is None:
+        return
+    first_pe, code = result.first_exit
+    raised = [pe for pe in result.tracebacks if result.returncodes.get(pe) != 0]
+    blamed = raised[0] if raised else first_pe
+    result.failed_pe = blamed
+    how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+    if blamed == first_pe:
+        said = f"PE {blamed} failed ({how}"
+        said += ", after raising: see its traceback above)" if raised else ")"
+    else:
+        said = (f"PE {blamed} failed first (it raised: see its traceback above); PE "
+                f"{first_pe} exited before it ({how})")
+    result.reasons.append(f"{said}; stopping the others")
 
 
 def _wait(procs: Mapping[int, subprocess.Popen[str]], result: JobResult,
@@ -138,9 +172,8 @@ def _wait(procs: Mapping[int, subprocess.Popen[str]], result: JobResult,
             return
         result.returncodes[pe] = code
         if code != 0:
-            result.failed_pe = pe
-            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-            result.reasons.append(f"PE {pe} failed ({how}); stopping the others")
+            result.failed_pe = pe  # until _blame has read every PE's output
+            result.first_exit = (pe, code)
             return
 
 

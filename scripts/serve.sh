@@ -9,5 +9,6 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=scripts/venv.sh
 . "$root/scripts/venv.sh"
-hixl_ensure_venv "$root"
+# serving needs hixl alone: no test tools (a venv made by scripts/test.sh serves as it is)
+HIXL_EXTRAS=${HIXL_EXTRAS-} hixl_ensure_venv "$root"
 exec "$root/.venv/bin/hixl-agent" "$@"

@@ -1,7 +1,7 @@
 # Sourced by scripts/test.sh and scripts/serve.sh: make the repo's .venv ready, once.
 #
 # Creates .venv (with $PYTHON, default python3) when it is missing or broken, and runs
-# `pip install -e '.[$HIXL_EXTRAS]'` (default: test) only when the venv is new or pyproject.toml
+# `pip install -e '.[$HIXL_EXTRAS]'` (default: test; empty: none) only when the venv is new or pyproject.toml
 # or the extras changed since the last install: a stamp file in the venv records both.
 # Progress goes to stderr so that the caller's stdout stays its own.
 
@@ -14,12 +14,16 @@ hixl_ensure_venv() {
         echo "creating $venv with $("$python" --version 2>&1)" >&2
         "$python" -m venv --clear "$venv"
     fi
-    local extras=${HIXL_EXTRAS:-test}  # CI adds "mooncake" and "torch" to measure against them
-    local want
-    want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1) $extras"
-    if [[ ! -f $stamp || $(<"$stamp") != "$want" ]]; then
+    # unset: the test extras; empty (serve.sh): hixl alone, what serving needs.
+    # CI adds "mooncake" and "torch" to measure against them
+    local extras=${HIXL_EXTRAS-test}
+    local hash have=""
+    hash=$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)
+    [[ -f $stamp ]] && have=$(<"$stamp")
+    # hixl alone is in every install of this pyproject, whatever extras came with it
+    if [[ $have != "$hash $extras" && ! ( -z $extras && $have == "$hash "* ) ]]; then
         echo "installing hixl (editable) with extras [$extras] into $venv" >&2
-        (cd "$root" && PIP_NO_INPUT=1 "$venv/bin/python" -m pip install -q -e ".[$extras]" >&2)
-        echo "$want" >"$stamp"
+        (cd "$root" && PIP_NO_INPUT=1 "$venv/bin/python" -m pip install -q -e ".${extras:+[$extras]}" >&2)
+        echo "$hash $extras" >"$stamp"
     fi
 }

@@ -127,9 +127,13 @@ def agent_main(argv: list[str] | None = None) -> int:
 
 def master_main(argv: list[str] | None = None) -> int:
     """The hixl-master console script (implemented in hixl.server.master)."""
-    from hixl.server.master import run_master
+    try:
+        from hixl.server.master import run_master
 
-    return run_master(sys.argv[1:] if argv is None else argv)
+        return run_master(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C before its signal handlers are installed
+        print("hixl-master: interrupted during start-up", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 import uvloop
 
+from hixl import __version__
 from hixl.auth import ENV_TOKEN, ENV_TOKEN_FILE, load_token
 from hixl.control import add_port, server_interceptors
 from hixl.errors import ConfigError, HixlError
@@ -86,7 +87,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051          # mooncake_master's default rpc_port
 ENV_PREFIX = "HIXL_MASTER_"
 #: parser dests that are not settings
-COMMAND_ONLY_DESTS = ("help", "config", "describe_config")
+COMMAND_ONLY_DESTS = ("help", "version", "config", "describe_config")
 STOP_GRACE_S = 1.0
 #: keys given in bytes or with a unit ("256MiB"), like the agent's sizes
 SIZE_KEYS = ("call_bytes_budget",)
@@ -315,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                "booleans as --flag, --flag=false or --noflag, --flagfile=FILE, underscores "
                "for dashes. mooncake_master's RDMA/SSD/CXL flags are accepted and warned "
                "about; --config_path reads its master config file.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--config", metavar="FILE",
                         help="YAML file of settings keyed like the flags' dests "
                              "(--describe-config lists them)")

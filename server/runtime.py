@@ -433,7 +433,20 @@ class AgentServer:
                 # off the loop: it may wait for the first publish (AgentServer.publication)
                 self._loop.run_in_executor(None, on_ready, self)
 
-        self._run_loop(ready)
+        def stop_early(signum: int, frame: object) -> None:
+            # a Ctrl-C or SIGTERM while starting (pre-faulting a large pool, say): stop
+            # once the start-up step running returns, with no traceback and no ready line
+            self._stop_requested = True
+
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, stop_early)
+                        for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._run_loop(ready)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if self._error is not None:
             raise self._error
 
@@ -484,10 +497,11 @@ class AgentServer:
             await self._astop(0)
             return
         self._ready.set()
-        if on_ready is not None:
-            on_ready()
         if self._stop_requested:
+            log.warning("start-up interrupted (SIGINT/SIGTERM): stopping")
             self._stop_event.set()
+        elif on_ready is not None:
+            on_ready()
         await self._stop_event.wait()
         await self._astop(self._grace)
 
