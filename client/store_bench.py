@@ -26,9 +26,20 @@ byte from hixl aborts the run (`StoreBenchFailure`). Keys are removed (force) af
 run, and hixl's pool is given time to take back removed values' space (a forced removal
 frees a read-leased value when its lease ends), so the pool never fills.
 
+**The caller-shaped workload** (`workload="lmcache"`): the calls LMCache's Mooncake
+connector makes per request of `batch` KV chunks (256 KiB, 1 MiB, 2 MiB by default) on
+its registered pinned buffer, with `ReplicateConfig(replica_num=1)`. *store*:
+`batch_is_exist(keys)`, then `batch_put_from` of the keys it says are missing (all of
+them: fresh keys). *retrieve*: `batch_is_exist(keys)` (all must be there), then
+`batch_get_into(keys)` of chunks stored once before and never read since (no location
+cache hit: each chunk is retrieved once, as a new request reusing a stored prefix reads
+it). A request's time is both calls; every chunk is checked byte for byte.
+
 `python -m hixl.client.store_bench --holder hixl|mooncake --master HOST:PORT --host IP
 --segment BYTES [--forever]` runs a segment holder (scripts/bench_multinode.py --store
-starts the masters and holders on another simulated host this way).
+starts the masters and holders on another simulated host this way);
+`python -m hixl.client.store_bench --workload lmcache [--sizes 256K,1M] [--batch N]
+[--runs N] [--no-mooncake] [--json PATH]` runs the bench itself.
 """
 
 from __future__ import annotations
@@ -76,6 +87,10 @@ PUT_OPS = frozenset({"put", "put_from", "put_batch", "batch_put_from"})
 BATCH_OPS = frozenset({"put_batch", "get_batch", "batch_put_from", "batch_get_into"})
 INTO_OPS = frozenset({"get_into", "batch_get_into"})   # read into registered memory
 SYSTEMS = ("hixl", "mooncake")
+#: the caller-shaped workload: LMCache's per-request calls (see the module docstring)
+LMCACHE_OPS = ("lmcache_store", "lmcache_retrieve")
+LMCACHE_SIZES = (256 * KIB, 1 * MIB, 2 * MIB)
+WORKLOADS = {"calls": OPS, "lmcache": LMCACHE_OPS}
 
 RUN_BYTES = 64 * MIB          # a run moves about this much ...
 MIN_CALLS, MAX_CALLS = 5, 200  # ... in this many timed calls
@@ -109,7 +124,7 @@ class CellFailure(RuntimeError):
 class StoreBenchConfig:
     """What to measure; the defaults take 30-60 s on 2 cores (both systems)."""
 
-    sizes: tuple[int, ...] = DEFAULT_SIZES
+    sizes: tuple[int, ...] = ()     # () : the workload's (DEFAULT_SIZES, LMCACHE_SIZES)
     batch: int = 8                  # keys per call of the batch forms
     runs: int = 3                   # the median over runs is reported
     run_bytes: int = RUN_BYTES      # bytes a run moves (calls: MIN_CALLS..MAX_CALLS)
@@ -118,9 +133,18 @@ class StoreBenchConfig:
     mooncake_master: str | None = None  # a running mooncake_master; None starts one here
     holders: bool = True            # start the segment holders here; False: already mounted
     local: str | None = None        # this side's IP; None: the one routing to the master
+    workload: str = "calls"         # a key of WORKLOADS: every call form, or LMCache's calls
+
+    def __post_init__(self) -> None:
+        if not self.sizes:
+            self.sizes = LMCACHE_SIZES if self.workload == "lmcache" else DEFAULT_SIZES
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return WORKLOADS[self.workload]
 
     def keys_per_call(self, op: str) -> int:
-        return self.batch if op in BATCH_OPS else 1
+        return self.batch if op in BATCH_OPS or op in LMCACHE_OPS else 1
 
     def calls_for(self, call_bytes: int) -> int:
         """Timed calls per run: about run_bytes in all, within [MIN_CALLS, MAX_CALLS]."""
@@ -129,13 +153,13 @@ class StoreBenchConfig:
     def run_footprint(self, op: str, size: int) -> int:
         """Pool bytes one run of a cell holds at once."""
         call_bytes = self.keys_per_call(op) * size
-        if op in PUT_OPS:
+        if op in PUT_OPS or op in LMCACHE_OPS:   # fresh keys every call
             return (WARMUP_CALLS + self.calls_for(call_bytes)) * call_bytes
         return self.batch * size  # a get cell reads `batch` stored keys over and over
 
     def segment_bytes(self) -> int:
         """The holder's global_segment_size: room for the largest run below MAX_USAGE."""
-        largest = max(self.run_footprint(op, size) for op in OPS for size in self.sizes)
+        largest = max(self.run_footprint(op, size) for op in self.ops for size in self.sizes)
         return math.ceil(largest / MAX_USAGE / MIB) * MIB + 16 * MIB
 
     def buffer_bytes(self) -> int:
@@ -144,6 +168,9 @@ class StoreBenchConfig:
         return 2 * self.batch * max(self.sizes) + 16 * MIB
 
     def check(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, "
+                             f"got {self.workload!r}")
         if not self.sizes or min(self.sizes) <= 0:
             raise ValueError("sizes must be positive")
         if self.batch <= 0 or self.runs <= 0 or self.run_bytes <= 0:
@@ -316,6 +343,18 @@ def _store_class(system: str) -> type:
     else:
         from mooncake.store import MooncakeDistributedStore
     return MooncakeDistributedStore
+
+
+def _replicate_config(system: str, **fields: Any) -> Any:
+    """The system's own ReplicateConfig with `fields` set (as a caller builds it)."""
+    if system == "hixl":
+        from hixl.client.mooncake import ReplicateConfig
+    else:
+        from mooncake.store import ReplicateConfig
+    config = ReplicateConfig()
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
 
 
 def _last_error(store: Any) -> str:
@@ -497,9 +536,9 @@ class StoreBench(BenchRun):
 
     def run(self) -> dict[str, Any]:
         config = self.config
-        self.progress.start(len(config.sizes) * len(OPS))
+        self.progress.start(len(config.sizes) * len(config.ops))
         for size in config.sizes:
-            for op in OPS:
+            for op in config.ops:
                 self.progress.advance(f"{op} {human_size(size)}")
                 self._cell(op, size)
         self.progress.close()
@@ -516,7 +555,9 @@ class StoreBench(BenchRun):
             "segment_bytes": config.segment_bytes(),
             "mooncake": self.mooncake_info,
             "cells": self.cells,
-            "targets": evaluate_store_targets(self.cells, across_nodes=self.across_nodes),
+            # the targets are per call form; the caller-shaped workload reports ratios only
+            "targets": (evaluate_store_targets(self.cells, across_nodes=self.across_nodes)
+                        if config.workload == "calls" else []),
             "verified": all(c["verified"] for c in self.cells if c["system"] == "hixl"),
         }
 
@@ -528,7 +569,7 @@ class StoreBench(BenchRun):
         errors: dict[str, str] = {}
         stored: dict[str, list[tuple[str, int]]] = {}
         try:
-            if op not in PUT_OPS:
+            if op not in PUT_OPS and op not in LMCACHE_OPS:
                 for side in self.sides:
                     with self._guard(side, errors):
                         stored[side.system] = self._store_values(side, size, config.batch)
@@ -537,9 +578,7 @@ class StoreBench(BenchRun):
                     if side.system in errors:
                         continue
                     with self._guard(side, errors):
-                        timings[side.system].append(
-                            self._put_run(side, op, size) if op in PUT_OPS
-                            else self._get_run(side, op, size, stored[side.system]))
+                        timings[side.system].append(self._one_run(side, op, size, stored))
         finally:
             for side in self.sides:
                 if side.system in stored:
@@ -559,6 +598,14 @@ class StoreBench(BenchRun):
             ours.update(mooncake_gbps=theirs["gbps"], mooncake_p50_us=theirs["p50_us"],
                         vs_mooncake=ours["gbps"] / theirs["gbps"],
                         vs_mooncake_p50=ours["p50_gbps"] / theirs["p50_gbps"])
+
+    def _one_run(self, side: Side, op: str, size: int,
+                 stored: dict[str, list[tuple[str, int]]]) -> Timing:
+        if op in PUT_OPS:
+            return self._put_run(side, op, size)
+        if op in LMCACHE_OPS:
+            return self._lmcache_run(side, op, size)
+        return self._get_run(side, op, size, stored[side.system])
 
     @contextlib.contextmanager
     def _guard(self, side: Side, errors: dict[str, str]) -> Iterator[None]:
@@ -611,8 +658,9 @@ class StoreBench(BenchRun):
                                   f"{_last_error(side.store)}")
 
     def _make_room(self, side: Side, need: int) -> None:
-        """Wait until the pool can take `need` more bytes below MAX_USAGE: hixl frees a
-        removed value's space when its read lease ends (Mooncake at once)."""
+        """Wait until the pool can take `need` more bytes below MAX_USAGE (hixl frees a
+        removed value's space once no read of it may be in flight: at once for values
+        only this client read; Mooncake at once)."""
         if side.stats is None:
             return
         deadline = time.monotonic() + ROOM_WAIT_S
@@ -696,6 +744,58 @@ class StoreBench(BenchRun):
                 self.dst[:len(chunk) * size] = 0
                 self._check(side, f"{op} (read back)", chunk,
                             size, self._call_get(side, "batch_get_into", chunk, size))
+        finally:
+            self._remove(side, [k for pairs in plan for k, _ in pairs])
+        return Timing(latencies, sum(latencies) / 1e9)
+
+    def _lmcache_run(self, side: Side, op: str, size: int) -> Timing:
+        """WARMUP_CALLS + calls requests of `batch` fresh chunks, the calls LMCache's
+        connector makes (module docstring); every chunk checked, then removed."""
+        keys = self.config.keys_per_call(op)
+        calls = self.config.calls_for(keys * size)
+        self._make_room(side, (WARMUP_CALLS + calls) * keys * size)
+        plan = self._values(WARMUP_CALLS + calls, keys, size)
+        store, config = side.store, _replicate_config(side.system, replica_num=1)
+        src, dst = int(self.src.ctypes.data), int(self.dst.ctypes.data)
+        latencies: list[int] = []
+        clock = time.perf_counter_ns
+        try:
+            if op == "lmcache_retrieve":   # stored once before, untimed
+                for pairs in plan:
+                    self._call_put(side, "batch_put_from", pairs, size)
+            for index, pairs in enumerate(plan):
+                names = [k for k, _ in pairs]
+                if op == "lmcache_retrieve":
+                    self.dst[:keys * size] = 0
+                began = clock()
+                exist = list(store.batch_is_exist(names))
+                if op == "lmcache_store":
+                    missing = [j for j, found in enumerate(exist) if found == 0]
+                    codes = list(store.batch_put_from(
+                        [names[j] for j in missing], [src + pairs[j][1] for j in missing],
+                        [size] * len(missing), config))
+                    good = codes == [0] * len(missing) and len(missing) == keys
+                else:
+                    codes = list(store.batch_get_into(
+                        names, [dst + j * size for j in range(keys)], [size] * keys))
+                    good = exist == [1] * keys and codes == [size] * keys
+                elapsed = clock() - began
+                if not good:
+                    raise CellFailure(f"{side.system} {op}({human_size(size)} x{keys}): "
+                                      f"batch_is_exist {exist}, then {codes}"
+                                      f"{_last_error(store)}")
+                if index >= WARMUP_CALLS:
+                    latencies.append(elapsed)
+                if op == "lmcache_retrieve":
+                    self._check(side, op, pairs, size,
+                                [self.dst[j * size:(j + 1) * size] for j in range(keys)])
+            if op == "lmcache_store":
+                everything = [pair for pairs in plan for pair in pairs]
+                for start in range(0, len(everything), self.config.batch):
+                    chunk = everything[start:start + self.config.batch]
+                    self.dst[:len(chunk) * size] = 0
+                    self._check(side, f"{op} (read back)", chunk, size,
+                                self._call_get(side, "batch_get_into", chunk, size))
         finally:
             self._remove(side, [k for pairs in plan for k, _ in pairs])
         return Timing(latencies, sum(latencies) / 1e9)
@@ -785,8 +885,11 @@ def format_store_report(report: dict[str, Any]) -> str:
     out += ["", format_table(["op", "size", "batch", "calls", "GB/s", "keys/s", "p50 us",
                               "p99 us", "MC GB/s", "MC keys/s", "MC p50", "MC p99", "ratio"],
                              rows),
-            f"(medians over {report['config']['runs']} runs; a call's time is the store call "
-            "alone; ratio: hixl / Mooncake GB/s)"]
+            f"(medians over {report['config']['runs']} runs; "
+            + ("a request's time is its batch_is_exist and its batch_put_from / batch_get_into"
+               if report["config"].get("workload") == "lmcache"
+               else "a call's time is the store call alone")
+            + "; ratio: hixl / Mooncake GB/s)"]
     out += skipped
     targets = [[t["target"], t["op"], human_size(t["size"]), f"{t['value']:.2f}x",
                 "met" if t["met"] else "MISSED"] for t in report["targets"]]
@@ -804,5 +907,65 @@ def run_store_bench(config: StoreBenchConfig, progress: IO[str] | None = None
         return bench.run()
 
 
+def _sizes_flag(text: str) -> tuple[int, ...]:
+    """argparse type of --sizes / --run-bytes: sizes like 256K,1M, refused by name."""
+    from hixl.server.config import parse_size
+
+    try:
+        sizes = tuple(parse_size(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not sizes or min(sizes) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive sizes like 256K,1M, got {text!r}")
+    return sizes
+
+
+def _count_flag(text: str) -> int:
+    """argparse type of --batch / --runs: a positive integer, refused by name."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    """`python -m hixl.client.store_bench --workload lmcache|calls ...`: the bench itself
+    (as `hixl bench store`), the caller-shaped workload included."""
+    from hixl.client.cli import emit_report
+
+    parser = argparse.ArgumentParser(prog="python -m hixl.client.store_bench")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="calls",
+                        help="every call form (calls), or LMCache's calls per KV chunk "
+                             "request (lmcache)")
+    parser.add_argument("--sizes", type=_sizes_flag, default=(),
+                        help="value sizes (default: 64K,1M,8784K; lmcache: 256K,1M,2M)")
+    parser.add_argument("--batch", type=_count_flag, default=8, help="keys per call / request")
+    parser.add_argument("--runs", type=_count_flag, default=3, help="runs per cell (medians)")
+    parser.add_argument("--run-bytes", type=_sizes_flag, default=(RUN_BYTES,),
+                        help="bytes one run moves")
+    parser.add_argument("--no-mooncake", action="store_false", dest="mooncake")
+    parser.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    args = parser.parse_args(argv)
+    config = StoreBenchConfig(sizes=args.sizes, batch=args.batch, runs=args.runs,
+                              run_bytes=args.run_bytes[0], mooncake=args.mooncake,
+                              workload=args.workload)
+    try:
+        config.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    report = run_store_bench(config, sys.stderr if sys.stderr.isatty() else None)
+    emit_report(format_store_report(report), report, args.json)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """A segment holder with --holder, else the bench."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return holder_main(args) if "--holder" in args else bench_main(args)
+
+
 if __name__ == "__main__":
-    sys.exit(holder_main())
+    sys.exit(main())

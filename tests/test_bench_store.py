@@ -185,3 +185,48 @@ def test_store_bench_between_two_hosts_crosses_the_link() -> None:
     assert links["a"]["tx_bytes"] >= moved["write"] <= links["b"]["rx_bytes"]
     assert links["b"]["tx_bytes"] >= moved["read"] <= links["a"]["rx_bytes"]
     assert "the bytes crossed the link" in proc.stderr
+
+
+def test_the_lmcache_workload_runs_both_systems_and_checks_every_chunk() -> None:
+    """The caller-shaped mode (LMCache's batch_is_exist + batch_put_from / batch_get_into
+    per request), tiny: every cell reported and verified; Mooncake side by side with a
+    ratio when installed. No timing is looked at."""
+    missing = _mooncake_missing()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hixl.client.store_bench", "--workload", "lmcache",
+         "--sizes", "256K", "--runs", "1", "--batch", "2", "--run-bytes", "512K",
+         "--json", "-"], capture_output=True, text=True, timeout=220,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(proc.stdout)
+    assert report["config"]["workload"] == "lmcache" and report["verified"] is True
+    assert report["targets"] == []
+    cells = {(c["system"], c["op"]): c for c in report["cells"]}
+    assert {op for system, op in cells if system == "hixl"} == set(store_bench.LMCACHE_OPS)
+    for cell in cells.values():
+        assert "skipped" not in cell, cell
+        assert cell["verified"] is True and cell["batch"] == 2 and cell["size"] == 256 << 10
+        assert cell["calls"] >= store_bench.MIN_CALLS and cell["p50_us"] > 0
+    if missing is None:
+        assert {op for system, op in cells if system == "mooncake"} == set(store_bench.LMCACHE_OPS)
+        assert all(cells[("hixl", op)]["vs_mooncake"] > 0 for op in store_bench.LMCACHE_OPS)
+    assert "a request's time is its batch_is_exist" in proc.stderr
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--workload", "vllm"], "--workload"), (["--sizes", "12Q"], "--sizes"),
+    (["--batch", "0"], "--batch")])
+def test_the_modules_bench_flags_are_refused_by_name(flags: list[str], named: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        store_bench.main(flags)
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_workload_defaults() -> None:
+    assert StoreBenchConfig().sizes == store_bench.DEFAULT_SIZES
+    lmcache = StoreBenchConfig(workload="lmcache")
+    assert lmcache.sizes == store_bench.LMCACHE_SIZES and lmcache.ops == store_bench.LMCACHE_OPS
+    with pytest.raises(ValueError, match="workload must be one of"):
+        StoreBenchConfig(workload="vllm").check()
