@@ -29,6 +29,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from hixl import device
 from hixl.auth import as_token, load_token
 from hixl.errors import (
     AlreadyConnected,
@@ -592,8 +593,14 @@ class Engine:
             if length is None:
                 raise ParamInvalid("register(addr, length): a raw address needs a length")
             check_range(memory, length, "local memory")
+            # a GPU KV cache registered by data_ptr(): refused here, not a crash in a copy
+            device.require_host(device.locate_address(memory),
+                                f"local memory [{memory:#x}, +{length})")
             buf = BufferRange(memory, length, False, None)
         else:
+            placement = device.locate_object(memory)
+            if placement is not None:
+                device.require_host(placement, f"the {type(memory).__name__} to register")
             buf = buffer_range(memory)
             if length is not None and length != buf.length:
                 raise ParamInvalid(f"length {length} does not match the buffer's {buf.length} bytes")

@@ -54,10 +54,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from hixl import device
 from hixl.client.engine import Engine, MemHandle, parse_engine_name
 from hixl.client.mooncake import tensors
 from hixl.control import node_identity
-from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
+from hixl.errors import (
+    HixlError,
+    NotConnected,
+    ParamInvalid,
+    PeerUnavailable,
+    StaleEpoch,
+    Unsupported,
+)
 from hixl.failover import parse_addresses
 from hixl.logs import log_failure
 from hixl.memory import ShmSegment, buffer_range, copy_moves, new_bytes
@@ -911,7 +919,7 @@ class MooncakeDistributedStore:
                     except ParamInvalid:
                         engine.deregister(handle)
                         raise
-            except ParamInvalid as exc:
+            except (ParamInvalid, Unsupported) as exc:  # a bad range, or device memory
                 raise StoreError(ErrorCode.INVALID_PARAMS, str(exc.args[0])) from None
             return OK
         return self._guard("register_buffer", run)
@@ -944,10 +952,15 @@ class MooncakeDistributedStore:
         addr, size = _int(addr, f"{what} buffer_ptr"), _int(size, f"{what} size")
         if size < 0 or addr < 0:
             raise StoreError(ErrorCode.INVALID_PARAMS, f"{what}: negative address or size")
-        if size and not self._inside_buffer(addr, size) and not _mapped(addr, size):
-            raise StoreError(ErrorCode.INVALID_PARAMS, (
-                f"{what}: [{addr:#x}, +{size}) is not memory of this process (unmapped "
-                "pages): a wrong buffer_ptr or size?"))
+        if size and not self._inside_buffer(addr, size):
+            if not _mapped(addr, size):
+                raise StoreError(ErrorCode.INVALID_PARAMS, (
+                    f"{what}: [{addr:#x}, +{size}) is not memory of this process (unmapped "
+                    "pages): a wrong buffer_ptr or size?"))
+            try:  # device memory is mapped too, but a host copy of it is a crash
+                device.require_host(device.locate_address(addr), f"{what}: [{addr:#x}, +{size})")
+            except Unsupported as exc:
+                raise StoreError(ErrorCode.INVALID_PARAMS, str(exc.args[0])) from None
         return addr, size
 
     def _staging(self, what: str) -> None:
