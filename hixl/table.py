@@ -48,26 +48,36 @@ def _plain_ints(values: list[int]) -> bool:
 class AddressTable(Generic[T]):
     """Sorted, non-overlapping address ranges mapping to values."""
 
-    __slots__ = ("_bases", "_ends", "_values", "_last", "_arrays")
+    __slots__ = ("_bases", "_ends", "_values", "_last", "_arrays", "_changes")
 
     def __init__(self) -> None:
         self._bases: list[int] = []
         self._ends: list[int] = []
         self._values: list[T] = []
         self._last: tuple[int, int, T] | None = None
-        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self._arrays: tuple[np.ndarray, np.ndarray, list[T]] | None = None
+        self._changes = 0  # bumped by every insert/remove/clear: a stale `arrays` is not kept
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, list[T]]:
         """(bases, ends, values): the table as int64 arrays, for vectorised lookups of a
-        whole batch (np.searchsorted); built once per change of the table."""
-        if self._arrays is None:
+        whole batch (np.searchsorted); built once per change of the table. A copy built
+        while another thread was half-way through an insert or remove (the three lists
+        of different lengths) is built again, never kept."""
+        cached = self._arrays
+        while cached is None:
+            changes = self._changes
+            bases, ends, values = self._bases[:], self._ends[:], self._values[:]
             try:
-                self._arrays = (np.array(self._bases, np.int64), np.array(self._ends, np.int64))
+                built = (np.array(bases, np.int64), np.array(ends, np.int64), values)
             except OverflowError:  # a raw range past 2**63 (no user-space address is)
                 top = (1 << 63) - 1
-                self._arrays = (np.array([min(b, top) for b in self._bases], np.int64),
-                                np.array([min(e, top) for e in self._ends], np.int64))
-        return *self._arrays, self._values
+                built = (np.array([min(b, top) for b in bases], np.int64),
+                         np.array([min(e, top) for e in ends], np.int64), values)
+            if len(bases) == len(ends) == len(values):
+                cached = built
+                if changes == self._changes:  # no change began meanwhile: keep it
+                    self._arrays = built
+        return cached
 
     @classmethod
     def bulk(cls, entries: Iterable[tuple[int, int, T]]) -> AddressTable[T]:
@@ -117,6 +127,7 @@ class AddressTable(Generic[T]):
             raise ParamInvalid(
                 f"range [{base:#x}, {end:#x}) overlaps the registered range "
                 f"[{self._bases[i]:#x}, {self._ends[i]:#x})")
+        self._changes += 1
         self._bases.insert(i, base)
         self._ends.insert(i, end)
         self._values.insert(i, value)
@@ -126,6 +137,7 @@ class AddressTable(Generic[T]):
         i = bisect.bisect_left(self._bases, base)
         if i == len(self._bases) or self._bases[i] != base:
             raise ParamInvalid(f"no range registered at {base:#x}")
+        self._changes += 1
         del self._bases[i], self._ends[i]
         value = self._values.pop(i)
         self._last = None
@@ -143,6 +155,7 @@ class AddressTable(Generic[T]):
         return twin
 
     def clear(self) -> None:
+        self._changes += 1
         self._bases.clear()
         self._ends.clear()
         self._values.clear()

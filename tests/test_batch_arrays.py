@@ -222,3 +222,22 @@ def test_small_uniform_moves_are_copied_by_numpy_views_byte_exactly(size: int) -
     for d, s in zip(dst_at.tolist(), src_at.tolist(), strict=True):
         expected[d:d + size] = src[s:s + size]
     assert np.array_equal(dst, expected)
+
+
+def test_table_arrays_follow_every_change() -> None:
+    """AddressTable.arrays (what array batches search) is rebuilt after each insert,
+    remove and clear, never served stale."""
+    from hixl.table import AddressTable
+
+    table: AddressTable[str] = AddressTable()
+    assert [a.tolist() if hasattr(a, "tolist") else a for a in table.arrays()] == [[], [], []]
+    table.insert(0x2000, 0x100, "b")
+    table.insert(0x1000, 0x100, "a")
+    bases, ends, values = table.arrays()
+    assert (bases.tolist(), ends.tolist(), values) == ([0x1000, 0x2000], [0x1100, 0x2100],
+                                                       ["a", "b"])
+    assert table.arrays()[0] is bases  # cached while unchanged
+    table.remove(0x1000)
+    assert (table.arrays()[0].tolist(), table.arrays()[2]) == ([0x2000], ["b"])
+    table.clear()
+    assert table.arrays()[0].tolist() == []
