@@ -23,8 +23,9 @@ call's time is the store call alone: checking its bytes happens between calls, u
 Every byte is checked: each get's result against what was put (destinations zeroed before
 the call), and after each put run every key of the run is read back and compared. A wrong
 byte from hixl aborts the run (`StoreBenchFailure`). Keys are removed (force) after every
-run, and hixl's pool is given time to take back removed values' space (a forced removal
-frees a read-leased value when its lease ends), so the pool never fills.
+run, and each run waits until the pool has room for it below MAX_USAGE (a forced removal
+frees space once no read of it may be in flight: at once for this client's own reads), so
+the pool never fills.
 
 **The caller-shaped workload** (`workload="lmcache"`): the calls LMCache's Mooncake
 connector makes per request of `batch` KV chunks (256 KiB, 1 MiB, 2 MiB by default) on
