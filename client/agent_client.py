@@ -32,6 +32,7 @@ from hixl.errors import (
     ParamInvalid,
     PeerUnavailable,
     TransferTimeout,
+    WrongServer,
     error_for_status,
 )
 from hixl.memory import FdGrant
@@ -41,6 +42,35 @@ from hixl.types import Perm, SegmentInfo, check_allowed_engines
 from hixl.v1 import agent_pb2, agent_pb2_grpc
 
 PROTOCOL_VERSION = 1
+#: what gRPC says when the other end does not speak HTTP/2 (a data port, say)
+_NOT_HTTP2 = ("Failed parsing HTTP/2", "Frame size", "Trying to connect an http1.x server")
+
+
+def wrong_server(rpc: grpc.RpcError, error: HixlError, target: str) -> HixlError:
+    """`error`, or WrongServer saying what `target` turned out to be, when the call
+    reached something other than an agent's gRPC port: a server not speaking gRPC at all
+    (an agent's data port), or one without the Agent service (a hixl-master)."""
+    code_fn = getattr(rpc, "code", None)
+    code = code_fn() if callable(code_fn) else None
+    text = str(error)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return WrongServer(
+            f"{what_of(text)}: {target} serves gRPC but not the hixl "
+            "Agent service: a hixl-master's port (it serves the registry and the store), or "
+            "another server? Dial the agent's engine name, host:grpc_port (engine= on its "
+            "'hixl-agent serving' line)")
+    if any(marker in text for marker in _NOT_HTTP2):
+        return WrongServer(
+            f"{what_of(text)}: {target} does not speak gRPC: an agent's data port (data= on "
+            "its 'hixl-agent serving' line) or another kind of server? Dial the agent's "
+            "engine name, host:grpc_port (engine= on that line, default port 50161)")
+    return error
+
+
+def what_of(text: str) -> str:
+    """'<call> at agent <target>' from an error's text '[CODE n] <call> at agent ...: ...'."""
+    body = text.split("] ", 1)[-1]
+    return body.split(": ", 1)[0]
 
 #: ping idle channels (watch streams) so a vanished agent ends them, not hangs them
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
@@ -92,7 +122,8 @@ class AgentClient:
             return getattr(self._stub, method)(
                 request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"{what} at agent {self.target}") from None
+            raise wrong_server(exc, error_from_rpc(exc, f"{what} at agent {self.target}"),
+                               self.target) from None
 
     def handshake(self, client_engine: str, timeout: float | None = None) -> AgentInfo:
         reply = self._call("Handshake", agent_pb2.HandshakeRequest(

@@ -85,8 +85,11 @@ _monotonic = time.monotonic
 _WRITE, _READ = TransferOp.WRITE, TransferOp.READ
 
 
-def parse_engine_name(name: str) -> tuple[str, int]:
-    """Split "ip", "ip:port", "[v6]" or "[v6]:port" into (host, port); port 0 means none."""
+def parse_engine_name(name: str, *, remote: bool = False) -> tuple[str, int]:
+    """Split "ip", "ip:port", "[v6]" or "[v6]:port" into (host, port); port 0 means none.
+
+    A `remote` engine must name its port: without one gRPC would dial :443 and time out
+    somewhere unrelated, so the name is refused saying what it should be."""
     if not isinstance(name, str) or not name:
         raise ParamInvalid(f"engine name must be a non-empty string like 'ip' or 'ip:port', got {name!r}")
     if name.startswith("["):
@@ -100,6 +103,10 @@ def parse_engine_name(name: str) -> tuple[str, int]:
             raise ParamInvalid(f"engine name {name!r}: write IPv6 addresses as '[addr]:port'")
     if not host:
         raise ParamInvalid(f"engine name {name!r} has no host")
+    if not port_text and remote:
+        raise ParamInvalid(f"engine name {name!r} has no port: a remote engine is its "
+                           "agent's host:grpc_port (engine= on the 'hixl-agent serving' "
+                           f"line, default port 50161), e.g. '{name}:50161'")
     if not port_text:
         return host, 0
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
@@ -675,7 +682,7 @@ class Engine:
         table are used (no RPC); otherwise handshake with its agent and cache its table.
         """
         self._check_open()
-        parse_engine_name(remote)
+        parse_engine_name(remote, remote=True)
         with self._lock:
             if remote in self._peers:
                 raise AlreadyConnected(f"already connected to {remote}")

@@ -89,6 +89,11 @@ class Unsupported(HixlError):
     status = UNSUPPORTED
 
 
+class WrongServer(Unsupported):
+    """The address answered, but is not the server the call is for: an agent's data port
+    or a hixl-master's port dialled as an agent's gRPC port, and the like."""
+
+
 class ResourceExhausted(HixlError):
     """Out of pool memory, queue slots or similar capacity."""
 
@@ -145,6 +150,10 @@ HINTS: dict[type[HixlError], str] = {
     AlreadyConnected: "already connected to that engine: reuse the connection, or "
                       "disconnect() first",
     Unsupported: "hixl moves host memory only: use MEM_HOST buffers",
+    WrongServer: "dial the server the call is for: an engine name is its agent's "
+                 "host:grpc_port (engine= on the 'hixl-agent serving' line, default port "
+                 "50161), not its data port (data=) nor a hixl-master's port (give that to "
+                 "Engine(registry=...) or the agent's --master)",
     ResourceExhausted: "release segments no longer needed (Engine.release) or raise the "
                        "agent's pool_max_bytes (docs/operations.md, sizing)",
     TransferFailed: "the ops in .failed did not complete: retry them; the agent log "
