@@ -517,14 +517,16 @@ class MoeLayer:
         ctx, shape, plan = self.ctx, self.shape, self.plan
         me, n = ctx.my_pe, ctx.n_pes
         by_source = {block.source: block for block in dispatched.received}
+        last = self._order()[-2] if n > 1 else me
         for source in self._order():
             block = by_source[source]
             if source != me and block.rows:
                 nbytes = block.rows * shape.row_bytes
                 at = plan.results_at + source * plan.results_slot
                 target = plan.combine_at + block.row_offset * shape.row_bytes
-                ctx.put_nbi(self.arena[target:target + nbytes], self._bytes[at:at + nbytes],
-                            source, timeout=self.timeout)
+                put = ctx.put if source == last else ctx.put_nbi  # the last one: this thread
+                put(self.arena[target:target + nbytes], self._bytes[at:at + nbytes], source,
+                    timeout=self.timeout)
         for source in self._order():
             ctx.signal(self._combined, dispatched.epoch, source, SET, timeout=self.timeout)
         ctx.wait_until(self._combined, GE, n * dispatched.epoch, self.timeout)
