@@ -20,6 +20,8 @@ from hixl.logs import setup_logging
 
 #: flags that are no config key: they say what to read or what to do instead of serving
 COMMAND_ONLY = ("config", "describe_config")
+#: other names of a key's flag: hixl-master's spelling, where the agent's differs
+FLAG_ALIASES = {"grpc_port": ("--port",)}
 #: how long the ready line waits for the first publish to the master (its outcome is on it)
 FIRST_PUBLISH_WAIT_S = 5.0
 
@@ -52,7 +54,8 @@ def build_agent_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=key, action=BoolFlag, default=None,
                                 help=spec["doc"])
         else:
-            parser.add_argument(flag, dest=key, metavar=key.upper(), help=spec["doc"])
+            parser.add_argument(flag, *FLAG_ALIASES.get(key, ()), dest=key,
+                                metavar=key.upper(), help=spec["doc"])
     return parser
 
 

@@ -96,6 +96,11 @@ def test_pool_size_shorthand_from_every_channel_builds_one_pool_segment(tmp_path
     assert AgentConfig.load(str(config_file), {}, env={}).pool == expected
 
 
+def test_grpc_port_takes_the_masters_spelling_too() -> None:
+    assert parse_agent_argv(["--port", "50999"]).grpc_port == "50999"
+    assert parse_agent_argv(["-grpc_port=50998"]).grpc_port == "50998"
+
+
 def test_booleans_take_gflags_forms() -> None:
     assert parse_agent_argv(["--no-data-unix"]).data_unix is False
     assert parse_agent_argv(["--nodata_unix"]).data_unix is False
