@@ -32,15 +32,20 @@ def test_readme_examples_run(agent_process, tmp_path) -> None:
     with MasterProcess(extra=["--data-dir", str(tmp_path / "master")]) as master:
         # the quickstart's two nodes: agents publishing to the master (on this host)
         node1, node2 = (agent_process(config={"master": master.target}) for _ in range(2))
-        run_blocks(blocks, {"10.0.0.1:50051": master.target, "10.0.0.1:50161": node1.engine,
+        outputs = run_blocks(blocks, {"10.0.0.1:50051": master.target, "10.0.0.1:50161": node1.engine,
                             "10.0.0.2:50161": node2.engine, "10.0.0.1": "127.0.0.1",
                             "127.0.0.1:50161": node.engine, "127.0.0.1:50162": server_name,
                             "127.0.0.1:50051": master.target})
+    # the HIXL-shaped example's async READ reports how it ended (its first status seen
+    # finished is the only one: asking again is PARAM_INVALID)
+    assert any("READ COMPLETED\n" in out for out in outputs), outputs
 
 
-def run_blocks(blocks: list[str], addresses: dict[str, str]) -> None:
+def run_blocks(blocks: list[str], addresses: dict[str, str]) -> list[str]:
     """Run each example in its own interpreter, its fixed addresses pointed at ours; an
-    example that says it runs under `hixl shmem-run -n N` runs as N PEs that way."""
+    example that says it runs under `hixl shmem-run -n N` runs as N PEs that way. Returns
+    each example's stdout."""
+    outputs = []
     for block in blocks:
         code = block
         for fixed, ours in addresses.items():
@@ -53,3 +58,5 @@ def run_blocks(blocks: list[str], addresses: dict[str, str]) -> None:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, \
             f"README example failed:\n{block}\n{result.stderr}{result.stdout}"
+        outputs.append(result.stdout)
+    return outputs
