@@ -64,6 +64,9 @@ HIXL_STYLE_BLOCKS = 4  # ranges of the HIXL-style run (transfers cycle through t
 PATH_OPTION = {"fabric": "1", "socket": "0"}  # OPTION_ENABLE_USE_FABRIC_MEM per path
 OPS = {"write": TransferOp.WRITE, "read": TransferOp.READ}
 MODES = ("sync", "async")
+# How engine cells hand the batch over: "list", a list of TransferOpDesc (Engine.transfer);
+# "arrays", integer arrays of addresses and one length (Engine.transfer_arrays).
+APIS = ("list", "arrays")
 SAMPLE_WINDOW = 256 * KIB  # verified bytes at each end of the first and last block
 AGENT_START_TIMEOUT_S = 60.0
 RAW_READY = "HIXL-RAW-READY"
@@ -99,6 +102,7 @@ class BenchConfig:
     layouts: tuple[str, ...] = LAYOUTS
     ops: tuple[str, ...] = tuple(OPS)
     modes: tuple[str, ...] = MODES
+    apis: tuple[str, ...] = ("list",)  # "arrays" adds Engine.transfer_arrays cells beside
     sizes: tuple[int, ...] = DEFAULT_SIZES
     batches: tuple[int, ...] | None = None  # None: default_batches(block)
     seconds: float = 0.5  # measured time per cell (after warm-up)
@@ -855,7 +859,8 @@ class Bench(BenchRun):
         socket_baselines = len(self.raw.kinds) + (self.mooncake is not None)
         per_grid = ((2 + len(config.ops) if "fabric" in self.paths else 0)
                     + (socket_baselines * len(config.ops) if "socket" in self.paths else 0)
-                    + len(self.layouts) * len(self.paths) * len(config.ops) * len(config.modes))
+                    + len(self.layouts) * len(self.paths) * len(config.ops) * len(config.modes)
+                    * len(config.apis))
         self.progress.start((len(grid) * per_grid if config.matrix else 0) + (
             len(self.layouts) * len(self.paths) * len(config.ops) if config.hixl_style else 0))
         if config.matrix:
@@ -914,9 +919,10 @@ class Bench(BenchRun):
             for op in config.ops:
                 for mode in config.modes:
                     for layout in self.layouts:
-                        self._advance(f"{path} {op} {mode} {layout} {label}")
-                        cells.append(self._engine_cell(path, op, mode, block, batch,
-                                                       self.targets[layout]))
+                        for api in config.apis:
+                            self._advance(f"{path} {op} {mode} {layout} {label} {api}")
+                            cells.append(self._engine_cell(path, op, mode, block, batch,
+                                                           self.targets[layout], api))
         if fabric:
             self._advance(f"memcpy again {label}")
             memcpy_runs.append(self._memcpy_summary(block, batch))
@@ -997,29 +1003,39 @@ class Bench(BenchRun):
         return [TransferOpDesc(side.local_addr + i * block, target.base + i * block, block)
                 for i in range(batch)]
 
+    @staticmethod
+    def _calls(side: Side, target: Target, op: TransferOp, block: int, batch: int, api: str,
+               timeout: float) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """The cell's (blocking call, async submit) through the chosen API, on the same
+        ops either way: block i of the local area to block i of the target."""
+        engine, agent = side.engine, target.engine
+        if api == "list":
+            descs = Bench._descs(side, target, block, batch)
+            return (lambda: engine.transfer(agent, op, descs, timeout),
+                    lambda: engine.transfer_async(agent, op, descs, timeout))
+        steps = np.arange(batch, dtype=np.uint64) * np.uint64(block)
+        local, remote = steps + np.uint64(side.local_addr), steps + np.uint64(target.base)
+        return (lambda: engine.transfer_arrays(agent, op, local, remote, block, timeout),
+                lambda: engine.transfer_arrays_async(agent, op, local, remote, block, timeout))
+
     def _engine_cell(self, path: str, op: str, mode: str, block: int, batch: int,
-                     target: Target) -> dict[str, Any]:
+                     target: Target, api: str = "list") -> dict[str, Any]:
         side = self.sides[path]
-        engine, agent, timeout = side.engine, target.engine, self.config.timeout
         transfer_op = OPS[op]
-        descs = self._descs(side, target, block, batch)
+        call, submit = self._calls(side, target, transfer_op, block, batch, api,
+                                   self.config.timeout)
         windows = sample_windows(block, batch)
         expected = self._prepare(side, target, transfer_op, windows)
+        label = f"{path} {op} {mode} {target.layout} {api} {human_size(block)} x{batch}"
         try:
-            if mode == "sync":
-                timing = time_sync(lambda: engine.transfer(agent, transfer_op, descs, timeout),
-                                   self.config)
-            else:
-                timing = time_async(
-                    lambda: engine.transfer_async(agent, transfer_op, descs, timeout), self.config)
+            timing = time_sync(call, self.config) if mode == "sync" else \
+                time_async(submit, self.config)
         except HixlError as exc:
-            raise BenchFailure(f"{path} {op} {mode} {human_size(block)} x{batch}: "
-                               f"transfer failed: {exc}") from exc
-        self._check(side, target, transfer_op, windows, expected, f"{path} {op} {mode} "
-                    f"{target.layout} {human_size(block)} x{batch}")
+            raise BenchFailure(f"{label}: transfer failed: {exc}") from exc
+        self._check(side, target, transfer_op, windows, expected, label)
         return self._record({"kind": "engine", "path": path, "op": op, "mode": mode,
-                             "layout": target.layout, "route": self._route(side, target),
-                             "block": block, "batch": batch,
+                             "layout": target.layout, "api": api,
+                             "route": self._route(side, target), "block": block, "batch": batch,
                              **timing.summary(block * batch, batch), "verified": True})
 
     @staticmethod
@@ -1171,9 +1187,12 @@ def evaluate_targets(cells: list[dict[str, Any]], *, across_nodes: bool = False
     sync = [c for c in engine if c["mode"] == "sync"]
     add("fabric >= 1 MiB: >= 0.85x memcpy",
         [c for c in sync if c["path"] == "fabric" and c["block"] >= MIB], "ratio_p50", 0.85, False)
+    fabric_4k = [c for c in engine if c["path"] == "fabric" and c["block"] == 4 * KIB
+                 and c["batch"] == 256]
     add("fabric 4 KiB x256: >= 300k ops/s",
-        [c for c in engine if c["path"] == "fabric" and c["block"] == 4 * KIB
-         and c["batch"] == 256], "ops_per_s", 300_000, False)
+        [c for c in fabric_4k if c.get("api", "list") == "list"], "ops_per_s", 300_000, False)
+    add("fabric 4 KiB x256 as arrays: >= 2M ops/s",
+        [c for c in fabric_4k if c.get("api") == "arrays"], "ops_per_s", 2_000_000, False)
     add("fabric one 4 KiB op: p50 <= 15 us",
         [c for c in sync if c["path"] == "fabric" and c["block"] == 4 * KIB
          and c["batch"] == 1], "p50_us", 15.0, True)
@@ -1236,22 +1255,24 @@ def format_report(report: dict[str, Any]) -> str:
                f"{report['host']['cpus']} CPUs")
     cells = report["cells"]
     engine_rows = [[c["path"], c.get("layout", "whole"), c.get("route", "-").split(" ")[0],
-                    c["op"], c["mode"], human_size(c["block"]), str(c["batch"]),
+                    c["op"], c["mode"], c.get("api", "list"), human_size(c["block"]), str(c["batch"]),
                     str(c["calls"]), f"{c['gbps']:.3f}", format_rate(c["ops_per_s"]),
                     f"{c['p50_us']:.1f}", f"{c['p99_us']:.1f}", c["baseline"],
                     f"{c['baseline_gbps']:.3f}", f"{c['ratio']:.2f}x", f"{c['ratio_p50']:.2f}x",
                     f"{c['shm_ratio']:.2f}x" if "shm_ratio" in c else "-"]
                    for c in cells if c["kind"] == "engine"]
     if engine_rows:
-        out += ["", format_table(["path", "layout", "route", "op", "mode", "block", "batch",
-                                  "calls", "GB/s", "ops/s", "p50 us", "p99 us", "baseline",
-                                  "base GB/s", "ratio", "p50 ratio", "vs shm"],
-                                 engine_rows, left=(0, 1, 2, 3, 4)),
+        out += ["", format_table(["path", "layout", "route", "op", "mode", "api", "block",
+                                  "batch", "calls", "GB/s", "ops/s", "p50 us", "p99 us",
+                                  "baseline", "base GB/s", "ratio", "p50 ratio", "vs shm"],
+                                 engine_rows, left=(0, 1, 2, 3, 4, 5)),
                 *[f"route of {c['path']} {c['layout']} {c['op']} {human_size(c['block'])}: {c['route']}"
                   for c in cells if c["kind"] == "engine" and "(" in c.get("route", "")][:4],
                 "(layout: whole = a segment an agent allocated; ranges = HIXL's layout, the "
                 f"call area a range {human_size(RANGE_OFFSET)} into a malloc_mem pool of a "
-                "target engine; route: the path the cell's transfers took)",
+                "target engine; route: the path the cell's transfers took; api: list = "
+                "Engine.transfer of TransferOpDescs, arrays = Engine.transfer_arrays of "
+                "address arrays, the same ops)",
                 "(ratio: engine / baseline GB/s over the cell's wall time; p50 ratio: of the "
                 "median call's GB/s, robust to CPU steal, used by the targets; memcpy = best "
                 "of a run before and after the engine cells; vs shm: / memcpy to or from a "
@@ -1304,8 +1325,11 @@ def format_report(report: dict[str, Any]) -> str:
 
 def run_bench(config: BenchConfig, progress: IO[str] | None = None) -> dict[str, Any]:
     """Run the benchmark described by `config`; raises BenchFailure on wrong bytes."""
-    if not config.paths or not config.ops or (config.matrix and (not config.modes or not config.sizes)):
-        raise ValueError("nothing to measure: paths, ops, modes and sizes must not be empty")
+    if not config.paths or not config.ops or (config.matrix and (
+            not config.modes or not config.sizes or not config.apis)):
+        raise ValueError("nothing to measure: paths, ops, modes, apis and sizes must not be empty")
+    if set(config.apis) - set(APIS):
+        raise ValueError(f"unknown api {sorted(set(config.apis) - set(APIS))}: choose from {APIS}")
     try:
         with Bench(config, progress) as bench:
             return bench.run()

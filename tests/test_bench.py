@@ -279,3 +279,32 @@ def test_progress_bar_counts_every_cell_to_the_end() -> None:
     assert done == sorted(done) and done[-1] == total >= len(report["cells"]), counts
     assert "0/?" in frames and "starting hixl-agent" in frames
     assert "fabric write sync ranges 4K x2" in frames, frames[-800:]
+
+
+def test_bench_array_api_cells_beside_the_list_cells() -> None:
+    """apis=("list", "arrays"): each engine cell is measured twice, through Engine.transfer
+    (a TransferOpDesc list) and Engine.transfer_arrays (address arrays), on the same ops;
+    both verified, both compared with the same baseline, and the arrays' own target
+    appears for the 4 KiB x256 fabric cells."""
+    config = bench.BenchConfig(paths=bench.PATHS, layouts=("whole",), ops=tuple(bench.OPS),
+                               modes=bench.MODES, apis=bench.APIS, sizes=(4096,),
+                               batches=(1, 256), seconds=0.02, warmup=1, hixl_style=False,
+                               mooncake="off")
+    report = bench.run_bench(config)
+    assert report["verified"] is True
+    engine = {(c["path"], c["op"], c["mode"], c["api"], c["batch"]): c
+              for c in report["cells"] if c["kind"] == "engine"}
+    assert set(engine) == {(p, o, m, a, b) for p in bench.PATHS for o in bench.OPS
+                           for m in bench.MODES for a in bench.APIS for b in (1, 256)}
+    for (path, op, mode, _api, batch), cell in engine.items():
+        assert cell["verified"] is True and cell["calls"] >= 2
+        assert cell["gbps"] > 0 and cell["ops_per_s"] > 0 and cell["ratio"] > 0
+        twin = engine[(path, op, mode, "list", batch)]
+        assert cell["baseline"] == twin["baseline"] and cell["route"] == twin["route"]
+    arrays_targets = [t for t in report["targets"] if "as arrays" in t["target"]]
+    assert {(t["op"], t["mode"]) for t in arrays_targets} == {
+        (o, m) for o in bench.OPS for m in bench.MODES}
+    table = bench.format_report(report)
+    assert " arrays " in table and "Engine.transfer_arrays" in table
+    with pytest.raises(ValueError, match="unknown api"):
+        bench.run_bench(bench.BenchConfig(apis=("tuples",)))
