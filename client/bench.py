@@ -392,10 +392,41 @@ def raw_server_main(argv: Sequence[str] | None = None) -> int:
                     return 0
                 continue
             conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
-            if conn.family in (socket.AF_INET, socket.AF_INET6):
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=_raw_serve_connection, args=(conn, buffer),
-                             daemon=True).start()
+            _raw_serve_in_thread(conn, buffer)
+
+
+def _raw_serve_in_thread(conn: socket.socket, buffer: np.ndarray) -> None:
+    if conn.family in (socket.AF_INET, socket.AF_INET6):
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    threading.Thread(target=_raw_serve_connection, args=(conn, buffer), daemon=True).start()
+
+
+class RawServerThread:
+    """The raw stream peer as threads of *this* process, TCP only.
+
+    Why: a baseline between the same two processes as the transfers it is compared with
+    (e.g. two PEs of a hixl.shmem job), so the ratio is not flattered or hurt by another
+    process's scheduling. Same protocol as raw_server_main; RawPeer(self.tcp) dials it.
+    """
+
+    def __init__(self, buffer_bytes: int, host: str = "127.0.0.1") -> None:
+        self.buffer = np.ones(buffer_bytes, dtype=np.uint8)  # written once: pre-faulted
+        self._listener = socket.create_server((host, 0))
+        self.tcp = (host, int(self._listener.getsockname()[1]))
+        threading.Thread(target=self._accept, name="hixl-raw-server", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            _raw_serve_in_thread(conn, self.buffer)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept
+        self._listener.close()
 
 
 class RawPeer:

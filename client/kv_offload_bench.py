@@ -16,9 +16,14 @@ pool PE, sent with put_batch / get_batch. Baseline, same run: a plain Python loo
 `ctypes.memmove` per page over the same pages within PE 0 (into and out of PE 0's own
 copy of the symmetric pool; addresses computed untimed), each baseline batch timed right
 before its hixl twin so machine noise hits both.
+Over TCP a second baseline, same run: the *raw stream* between the same two processes
+(`hixl.client.bench`'s raw stream protocol; PE 1 serves it from a thread, PE 0 dials it
+over loopback TCP): each offload batch's and each gather's bytes as one contiguous
+stream (a sendall and a 1-byte ack; a request and recv_into), timed right before its
+hixl twin -- what the link between those processes carries with no per-page work.
 Figures: offload GB/s and blocks/s from the median run (the sum of its batches), gather
 GB/s and blocks/s from the median step; p50/p99 per batch and per step; ratio = hixl /
-baseline GB/s. A wrong byte anywhere fails the command (exit status 1).
+baseline GB/s, raw_ratio = hixl / raw stream GB/s. A wrong byte anywhere fails the command (exit status 1).
 
 `python -m hixl.client.kv_offload_bench --pe-worker JSON` is one PE of such a job.
 """
@@ -42,7 +47,16 @@ from typing import IO, Any
 
 import numpy as np
 
-from hixl.client.bench import KIB, MIB, BenchFailure, format_rate, format_table, human_size
+from hixl.client.bench import (
+    KIB,
+    MIB,
+    BenchFailure,
+    RawPeer,
+    RawServerThread,
+    format_rate,
+    format_table,
+    human_size,
+)
 
 SEED_LAYERS, SEED_PAGE = 61, 144 * KIB  # 128 KiB + 16 KiB per layer: 8784 KiB blocks
 PATHS = ("mapped", "tcp")
@@ -80,17 +94,22 @@ def _percentile_ms(seconds: Sequence[float], q: float) -> float:
 
 def _phase(hixl_s: Sequence[float], base_s: Sequence[float], per_unit: Sequence[float],
            base_unit: Sequence[float], blocks: int, block_bytes: int,
-           pages_per_block: int) -> dict[str, Any]:
+           pages_per_block: int, raw_unit: Sequence[float] = ()) -> dict[str, Any]:
     """Figures of one phase: `per_unit` is the time of one unit (an offload run, a gather
-    step) moving `blocks` blocks; hixl_s / base_s the individual calls timed."""
+    step) moving `blocks` blocks; hixl_s / base_s the individual calls timed; raw_unit,
+    when measured, the raw stream's time for each unit's bytes."""
     unit, base = statistics.median(per_unit), statistics.median(base_unit)
     gbps = blocks * block_bytes / unit / 1e9
     base_gbps = blocks * block_bytes / base / 1e9
-    return {"calls": len(hixl_s), "blocks_per_s": blocks / unit,
-            "pages_per_s": blocks * pages_per_block / unit, "gbps": gbps,
-            "p50_ms": _percentile_ms(hixl_s, 50), "p99_ms": _percentile_ms(hixl_s, 99),
-            "baseline_gbps": base_gbps, "baseline_p50_ms": _percentile_ms(base_s, 50),
-            "ratio": gbps / base_gbps}
+    figures = {"calls": len(hixl_s), "blocks_per_s": blocks / unit,
+               "pages_per_s": blocks * pages_per_block / unit, "gbps": gbps,
+               "p50_ms": _percentile_ms(hixl_s, 50), "p99_ms": _percentile_ms(hixl_s, 99),
+               "baseline_gbps": base_gbps, "baseline_p50_ms": _percentile_ms(base_s, 50),
+               "ratio": gbps / base_gbps}
+    if raw_unit:
+        raw_gbps = blocks * block_bytes / statistics.median(raw_unit) / 1e9
+        figures.update(raw_gbps=raw_gbps, raw_ratio=gbps / raw_gbps)
+    return figures
 
 
 def _timed(call: Any) -> float:
@@ -99,11 +118,32 @@ def _timed(call: Any) -> float:
     return time.perf_counter() - start
 
 
+def _raw_buffer_bytes(spec: dict[str, Any]) -> int:
+    """The largest call of a case: one layer's offload or one step's gather."""
+    return spec["page_bytes"] * max(spec["blocks"], spec["top_k"] * spec["layers"])
+
+
+def _raw_peer(spec: dict[str, Any], deadline: float) -> RawPeer:
+    """The raw stream server PE 1 started (its address in spec["raw_address"])."""
+    path = spec["raw_address"]
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise BenchFailure(f"PE 1's raw stream server did not say where it listens "
+                               f"({path}) within {spec['timeout']:g} s")
+        time.sleep(0.01)
+    with open(path, encoding="utf-8") as f:
+        host, port = f.read().split()
+    return RawPeer((host, int(port)))
+
+
 def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """PE 0's timed runs: the figures, and every bad page found."""
     from hixl.client.kv_offload import InferenceSide, bad_pages, top_k_blocks
 
     side = InferenceSide(job)
+    raw = _raw_peer(spec, time.monotonic() + spec["timeout"]).connect("tcp") \
+        if spec.get("raw_address") else None
+    stream = memoryview(side.cache.reshape(-1))  # raw stream source: any bytes of the cache
     ctx, layout = job.ctx, job.layout
     k, steps, runs = spec["top_k"], spec["steps"], spec["runs"]
 
@@ -133,24 +173,39 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
         for dst, src, length in moves:  # the baseline: a plain loop, one memmove per page
             memmove(dst, src, length)
 
+    def raw_write(nbytes: int) -> None:
+        assert raw is not None
+        raw.write([stream[:nbytes]])
+
+    def raw_read(nbytes: int) -> None:
+        assert raw is not None
+        raw.read(into_bytes, nbytes, 1)
+
     timings: dict[str, list[float]] = {name: [] for name in (
-        "offload", "offload_base", "run", "run_base", "gather", "gather_base")}
+        "offload", "offload_base", "run", "run_base", "gather", "gather_base", "run_raw",
+        "gather_raw")}
     bad: dict[str, list[Any]] = {"offload": [], "gather": []}
     into = side.compact(k)
+    into_bytes = memoryview(into.reshape(-1))
+    layer_bytes, gather_bytes = layout.blocks * layout.page_bytes, into.nbytes
     for run in range(1, runs + 1):
         side.generation = run  # new page contents: a stale page cannot pass
         for layer in range(layout.layers):
             side.compute_layer(layer)
-        batches, base_batches = [], []
+        batches, base_batches, raw_batches = [], [], []
         for layer in range(layout.layers):
             by_pe = side.offload_batches(layer)
             moves = plain_moves(by_pe)
             base_batches.append(_timed(lambda: memmove_loop(moves)))  # noqa: B023
+            if raw is not None:
+                raw_batches.append(_timed(lambda: raw_write(layer_bytes)))
             batches.append(_timed(lambda: to_pool(by_pe, ctx.put_batch)))  # noqa: B023
         timings["offload"] += batches
         timings["offload_base"] += base_batches
         timings["run"].append(sum(batches))
         timings["run_base"].append(sum(base_batches))
+        if raw is not None:
+            timings["run_raw"].append(sum(raw_batches))
         side.announce()
         verdicts = side.pool_verdicts()
         if any(verdicts.values()):
@@ -160,17 +215,22 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
             by_pe = side.gather_batches(blocks, into)
             moves = plain_moves(by_pe)
             timings["gather_base"].append(_timed(lambda: memmove_loop(moves)))  # noqa: B023
+            if raw is not None:
+                timings["gather_raw"].append(_timed(lambda: raw_read(gather_bytes)))
             into.fill(0)  # untimed: a page the gather missed cannot pass
             timings["gather"].append(_timed(lambda: to_pool(by_pe, ctx.get_batch)))  # noqa: B023
             wrong = bad_pages(into, blocks, run)
             if wrong:
                 bad["gather"].append({"run": run, "step": step, "pages": wrong[:16]})
+    if raw is not None:
+        raw.close()
     side.finish()
     return {"offload": _phase(timings["offload"], timings["offload_base"], timings["run"],
                               timings["run_base"], layout.blocks, layout.block_bytes,
-                              layout.layers),
+                              layout.layers, timings["run_raw"]),
             "gather": _phase(timings["gather"], timings["gather_base"], timings["gather"],
-                             timings["gather_base"], k, layout.block_bytes, layout.layers),
+                             timings["gather_base"], k, layout.block_bytes, layout.layers,
+                             timings["gather_raw"]),
             "verified": {"offload_pages": runs * layout.blocks * layout.layers,
                          "gather_pages": runs * steps * k * layout.layers},
             "bad": bad, "route": ctx.route(1)}
@@ -181,9 +241,20 @@ def run_pool(job: Any, spec: dict[str, Any]) -> None:
     from hixl.client.kv_offload import PoolSide
 
     side = PoolSide(job)
-    for run in range(1, spec["runs"] + 1):
-        side.serve(run)
-    side.wait_finished(timeout=spec["job_timeout"])
+    server = None
+    if spec.get("raw_address") and job.ctx.my_pe == 1:  # the raw stream's far end: PE 1
+        server = RawServerThread(_raw_buffer_bytes(spec))
+        partial = spec["raw_address"] + ".part"
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write("{} {}".format(*server.tcp))
+        os.replace(partial, spec["raw_address"])  # PE 0 never reads half an address
+    try:
+        for run in range(1, spec["runs"] + 1):
+            side.serve(run)
+        side.wait_finished(timeout=spec["job_timeout"])
+    finally:
+        if server is not None:
+            server.close()
 
 
 def pe_main(spec: dict[str, Any]) -> int:
@@ -230,7 +301,10 @@ def run_case(config: KvBenchConfig, page: int, path: str, bootstrap: str,
     spec = {"layers": config.layers, "blocks": blocks, "page_bytes": page,
             "pool_pes": config.pool_pes, "top_k": config.top_k, "steps": config.steps,
             "runs": config.runs, "local_paths": path == "mapped", "timeout": config.timeout,
-            "job_timeout": job_timeout, "out": out}
+            "job_timeout": job_timeout, "out": out,
+            # over TCP, the raw stream between the same two PEs (PE 1 says where it listens)
+            "raw_address": os.path.join(workdir, f"raw-{uuid.uuid4().hex[:8]}")
+            if path == "tcp" else ""}
     capture = io.StringIO()  # every PE line (run_job serializes them), for a failure
     result = run_job([sys.executable, "-m", "hixl.client.kv_offload_bench", "--pe-worker",
                       json.dumps(spec)], 1 + config.pool_pes, bootstrap=bootstrap,
@@ -291,15 +365,18 @@ def format_kv_report(report: dict[str, Any]) -> str:
                          f"{unit}", str(f["calls"]), format_rate(f["blocks_per_s"]),
                          format_rate(f["pages_per_s"]),
                          f"{f['gbps']:.3f}", f"{f['p50_ms']:.2f}", f"{f['p99_ms']:.2f}",
-                         f"{f['baseline_gbps']:.3f}", f"{f['ratio']:.2f}x"])
+                         f"{f['baseline_gbps']:.3f}", f"{f['ratio']:.2f}x",
+                         f"{f['raw_gbps']:.3f}" if "raw_gbps" in f else "-",
+                         f"{f['raw_ratio']:.2f}x" if "raw_ratio" in f else "-"])
     out += ["", format_table(["case", "path", "phase", "block", "blocks", "batch", "calls",
                               "blocks/s", "pages/s", "GB/s", "p50 ms", "p99 ms", "memmove GB/s",
-                              "ratio"],
+                              "ratio", "raw GB/s", "vs raw"],
                              rows, left=(0, 1, 2, 5)),
             "(offload: one batched PUT per layer for every block, GB/s of the median run; "
             "gather: one batched GET of the top-k blocks, every layer, GB/s of the median "
             "step; p50/p99 per batch or step; " + report["baseline"] + "; ratio: "
-            "hixl / memmove-loop GB/s)"]
+            "hixl / memmove-loop GB/s; raw: over TCP, the same bytes as one stream between the "
+            "same two PEs, vs raw = hixl / raw GB/s)"]
     verified = [f"{c['case']} {c['path']}: {c['verified']['offload_pages']} offloaded + "
                 f"{c['verified']['gather_pages']} gathered pages" for c in report["cases"]]
     out.append("verified page for page: " + "; ".join(verified))

@@ -166,6 +166,7 @@ def test_bench_reports_every_case_and_verified_every_page() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert "hixl bench kv-offload" in proc.stderr and "verified page for page" in proc.stderr
+    assert "vs raw" in proc.stderr
     assert report["bench"] == "kv-offload" and "memmove loop" in report["baseline"]
     cases = report["cases"]
     assert [(c["page_bytes"], c["path"]) for c in cases] == [
@@ -180,8 +181,14 @@ def test_bench_reports_every_case_and_verified_every_page() -> None:
         assert case["offload"]["calls"] == 2 * 3 and case["gather"]["calls"] == 2 * 3
         for phase in ("offload", "gather"):
             figures = case[phase]
+            # over TCP, also the raw stream between the same two PEs, in the same run
+            raw = {"raw_gbps", "raw_ratio"} if case["path"] == "tcp" else set()
             assert set(figures) == {"calls", "blocks_per_s", "pages_per_s", "gbps", "p50_ms",
-                                    "p99_ms", "baseline_gbps", "baseline_p50_ms", "ratio"}
+                                    "p99_ms", "baseline_gbps", "baseline_p50_ms",
+                                    "ratio"} | raw
+            if raw:
+                assert figures["raw_ratio"] == pytest.approx(
+                    figures["gbps"] / figures["raw_gbps"])
             assert figures["pages_per_s"] == pytest.approx(figures["blocks_per_s"] * 3)
             assert all(value > 0 for value in figures.values()), figures
 
