@@ -212,6 +212,22 @@ def _claim_socket_path(path: str, port: int) -> None:
             "HIXL_AGENT_RUNTIME_DIR) or its own grpc_port (--grpc-port)") from None
 
 
+def _registry_failure(exc: Exception, where: str) -> str:
+    """Why publishing failed, saying what key 'master' reached when it is not a registry:
+    a port that does not speak gRPC (an agent's data port), or a gRPC server without the
+    Registry service (an agent that publishes to a master of its own)."""
+    text = str(exc)
+    if any(marker in text for marker in ("Failed parsing HTTP/2", "Frame size",
+                                         "Trying to connect an http1.x server")):
+        return (f"{text}; {where} does not speak gRPC: key 'master' (--master) must be a "
+                "hixl-master's host:port, not an agent's data port")
+    if "UNIMPLEMENTED" in text:
+        return (f"{text}; {where} serves gRPC but no registry: key 'master' (--master) must "
+                "be a hixl-master's host:port (an agent serves a registry only when it has "
+                "no master of its own)")
+    return text
+
+
 class Publisher:
     """Keeps this agent's table published in a registry under a lease, in its own thread.
 
@@ -285,15 +301,15 @@ class Publisher:
                 wait = interval
             except Exception as exc:  # noqa: BLE001 - log, back off, retry
                 self._failures += 1
-                self._last_error = str(exc)
+                self._last_error = _registry_failure(exc, self._where)
                 self.counters["registry_failures"] += 1
-                self._log_failure(exc)
+                self._log_failure()
                 wait = min(interval, 0.2 * 2 ** min(self._failures, 5))
             self.attempted.set()
             self._wake.wait(wait)
             self._wake.clear()
 
-    def _log_failure(self, exc: Exception) -> None:
+    def _log_failure(self) -> None:
         """A WARNING on the first failure and every UNPUBLISHED_WARN_EVERY_S while it
         lasts (DEBUG between): the state stays visible without flooding the log."""
         now = time.monotonic()
@@ -302,8 +318,8 @@ class Publisher:
             self._last_warning = now
         log.log(logging.WARNING if due else logging.DEBUG,
                 "registry %s: not published: %s (attempt %d; retrying; peers that look "
-                "this agent up in the registry cannot find it meanwhile)", self._where, exc,
-                self._failures)
+                "this agent up in the registry cannot find it meanwhile)", self._where,
+                self._last_error, self._failures)
 
     def _step(self) -> None:
         if self._lease is not None and not self._dirty:

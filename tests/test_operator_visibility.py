@@ -88,3 +88,25 @@ def test_agent_with_its_master_up_says_published(agent_process: StartAgent) -> N
         assert "cluster_token=off" in agent.log()
     embedded = agent_process()
     assert parse_ready(embedded.ready_line)["registry"] == "embedded"
+
+
+def test_agent_whose_master_is_an_agents_data_port_is_told_so(agent_process: StartAgent) -> None:
+    """A wrong-port mistake in key 'master': the reason names what it reached."""
+    other = agent_process()
+    data = parse_ready(other.ready_line)["data"]
+    agent = agent_process(config={"master": data})
+    assert parse_ready(agent.ready_line)["registry"] == "not-published"
+    assert (f"does not speak gRPC: key 'master' (--master) must be a hixl-master's "
+            "host:port, not an agent's data port") in agent.log()
+    status = _status(agent.engine)
+    assert status.returncode == 1 and "does not speak gRPC" in status.stdout
+
+
+def test_agent_whose_master_is_another_agent_with_a_master_is_told_so(
+        agent_process: StartAgent) -> None:
+    with master_process() as master:
+        middle = agent_process(config={"master": master})
+        agent = agent_process(config={"master": middle.engine})
+        assert parse_ready(agent.ready_line)["registry"] == "not-published"
+        assert "serves gRPC but no registry: key 'master' (--master) must be a hixl-master's" \
+            in agent.log()
