@@ -96,7 +96,7 @@ def test_agent_whose_master_is_an_agents_data_port_is_told_so(agent_process: Sta
     data = parse_ready(other.ready_line)["data"]
     agent = agent_process(config={"master": data})
     assert parse_ready(agent.ready_line)["registry"] == "not-published"
-    assert (f"does not speak gRPC: key 'master' (--master) must be a hixl-master's "
+    assert ("does not speak gRPC: key 'master' (--master) must be a hixl-master's "
             "host:port, not an agent's data port") in agent.log()
     status = _status(agent.engine)
     assert status.returncode == 1 and "does not speak gRPC" in status.stdout
