@@ -631,9 +631,10 @@ class MasterClient:
                                     timeout=timeout)[0]
 
     def batch_put_end(self, puts: Sequence[tuple[str, int]],
-                      timeout: float | None = None) -> list[int]:
-        """Commit each (key, put_id): the value becomes visible (replacing it, for upserts)."""
-        return self._put_refs("PutEnd", puts, "put end", timeout)
+                      timeout: float | None = None, *, reads_done: bool = False) -> list[int]:
+        """Commit each (key, put_id): the value becomes visible (replacing it, for upserts).
+        `reads_done`: as `batch_remove`'s, for the values an upsert replaces."""
+        return self._put_refs("PutEnd", puts, "put end", timeout, reads_done)
 
     def put_end(self, key: str, put_id: int, timeout: float | None = None) -> int:
         return self.batch_put_end([(key, put_id)], timeout)[0]
@@ -647,10 +648,9 @@ class MasterClient:
         return self.batch_put_revoke([(key, put_id)], timeout)[0]
 
     def _put_refs(self, method: str, puts: Sequence[tuple[str, int]], what: str,
-                  timeout: float | None,
-                  ) -> list[int]:
+                  timeout: float | None, reads_done: bool = False) -> list[int]:
         request = store_pb2.PutEndRequest(
-            client_id=self.client_id,
+            client_id=self.client_id, reads_done=reads_done,
             puts=[store_pb2.PutRef(key=key, put_id=put_id) for key, put_id in puts])
         reply = self._call(method, request, f"{what} of {len(puts)} key(s)", timeout)
         return list(reply.codes)
@@ -672,11 +672,12 @@ class MasterClient:
 
     def batch_commit(self, items: Sequence[tuple[str, int, Sequence[ReservedRange]]],
                      config: ReplicaConfig | None = None, *, upsert: bool = False,
-                     timeout: float | None = None) -> list[int]:
+                     timeout: float | None = None, reads_done: bool = False) -> list[int]:
         """Make each (key, size, [(reservation id, addr, length)] per replica), written
-        before this call, visible; one code per item. OK renews the reservations used."""
+        before this call, visible; one code per item. OK renews the reservations used.
+        `reads_done`: as `batch_put_end`'s."""
         request = store_pb2.CommitRequest(
-            client_id=self.client_id, upsert=upsert,
+            client_id=self.client_id, upsert=upsert, reads_done=reads_done,
             config=replica_config_to_pb(config or ReplicaConfig()),
             items=[store_pb2.CommitItem(key=key, value_length=size, ranges=[
                 store_pb2.ReservedRange(reservation_id=rid, addr=addr, length=length)
@@ -1020,7 +1021,7 @@ class ReservedSpace:
                     held.in_flight -= 1
 
     def commit(self, items: Sequence[tuple[str, int, Placement]], config: ReplicaConfig, *,
-               upsert: bool = False) -> list[int]:
+               upsert: bool = False, reads_done: bool = False) -> list[int]:
         """Commit written values: one code per item (raises MasterRpcError as the master
         client does; the reservations involved are then retired). OK renews the
         reservations used; OBJECT_NOT_FOUND / LEASE_EXPIRED mean the master no longer
@@ -1030,7 +1031,7 @@ class ReservedSpace:
         try:
             codes = self.master.batch_commit(
                 [(key, size, placement.ranges) for key, size, placement in items], config,
-                upsert=upsert)
+                upsert=upsert, reads_done=reads_done)
         except MasterRpcError:
             with self._lock:
                 for _, _, placement in items:

@@ -735,8 +735,11 @@ class ObjectStore:
         return PutStartResult(ErrorCode.OK, put.put_id,
                               tuple(r.describe(ReplicaState.INIT) for r in replicas))
 
-    def put_end(self, client_id: str, puts: Sequence[tuple[str, int]]) -> list[int]:
-        """Commit each (key, put_id): visible from now on, replacing an upserted value."""
+    def put_end(self, client_id: str, puts: Sequence[tuple[str, int]], *,
+                reads_done: bool = False) -> list[int]:
+        """Commit each (key, put_id): visible from now on, replacing an upserted value.
+        `reads_done`: the caller has no read of the replaced values in flight and no cached
+        locations of them (docs/store.md §4): its own holds on them end here."""
         codes: list[int] = []
         committed: list[list[Any]] = []
         with self._lock:
@@ -747,21 +750,27 @@ class ObjectStore:
                     codes.append(put)
                     continue
                 self._forget_put_locked(put)
-                committed.append(self._install_value_locked(key, put.size, put.replicas,
-                                                            put.config, now))
+                committed.append(self._install_value_locked(
+                    key, put.size, put.replicas, put.config, now,
+                    client_id if reads_done else ""))
                 codes.append(ErrorCode.OK)
             mark = self._journal_locked({"t": "put", "o": committed}) if committed else None
             wait_s = self._take_cache_wait_locked()
         return self._after_caches(codes, mark, wait_s)
 
     def _install_value_locked(self, key: str, size: int, replicas: list[_Replica],
-                              config: ReplicaConfig, now: float) -> list[Any]:
+                              config: ReplicaConfig, now: float, reader: str = "",
+                              ) -> list[Any]:
         """Make a written value visible (replacing the key's value, whose space waits
-        for its lease), as PutEnd and Commit do; returns its journal record."""
+        for the reads that may be in flight: not `reader`'s), as PutEnd and Commit do;
+        returns its journal record."""
         old = self._objects.pop(key, None)
         soft_until = 0.0
         if old is not None:
             soft_until = old.soft_pin_until
+            if reader:
+                old.reads.pop(reader, None)
+                old.caches.pop(reader, None)
             self._release_object_locked(key, old, now)
         action = config.soft_pin_action
         if action == SoftPinAction.ENABLE:
@@ -870,11 +879,12 @@ class ObjectStore:
             ended.popitem(last=False)
 
     def commit(self, client_id: str, items: Sequence[tuple[str, int, Sequence[ReservedRange]]],
-               config: ReplicaConfig | None = None, *, upsert: bool = False) -> list[int]:
+               config: ReplicaConfig | None = None, *, upsert: bool = False,
+               reads_done: bool = False) -> list[int]:
         """Make values the client wrote into its reservations visible, one code per
         (key, size, [(reservation id, addr, length)] per replica). A range must lie in a
         piece its reservation still holds; it becomes the object's own block. Durable
-        before it returns, as PutEnd."""
+        before it returns, as PutEnd (`reads_done` as there)."""
         config = config or ReplicaConfig()
         problem = self._check_config(config) or ("" if client_id else "no client id")
         if problem:
@@ -904,7 +914,8 @@ class ObjectStore:
                     replicas.append(_Replica(next(self._replica_ids), segment, offset, size))
                     held.lease_until = now + ttl
                     self._at_locked(held.lease_until, "reservation", held)
-                committed.append(self._install_value_locked(key, size, replicas, config, now))
+                committed.append(self._install_value_locked(
+                    key, size, replicas, config, now, client_id if reads_done else ""))
                 self._counters["commits"] += 1
             mark = self._journal_locked({"t": "put", "o": committed}) if committed else None
             wait_s = self._take_cache_wait_locked()

@@ -157,7 +157,8 @@ class StoreCalls:
 
     def put_end(self, request: store_pb2.PutEndRequest) -> store_pb2.CodesReply:
         codes = self.store.put_end(request.client_id,
-                                   [(p.key, p.put_id) for p in request.puts])
+                                   [(p.key, p.put_id) for p in request.puts],
+                                   reads_done=request.reads_done)
         self._tally("PutEnd", codes)
         return store_pb2.CodesReply(codes=codes)
 
@@ -188,7 +189,8 @@ class StoreCalls:
                 request.client_id,
                 [(item.key, item.value_length,
                   [(r.reservation_id, r.addr, r.length) for r in item.ranges])
-                 for item in request.items], config, upsert=request.upsert)
+                 for item in request.items], config, upsert=request.upsert,
+                reads_done=request.reads_done)
         self._tally("Commit", codes)
         return store_pb2.CodesReply(codes=codes)
 

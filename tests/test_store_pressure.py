@@ -107,6 +107,8 @@ def test_forced_removals_give_their_space_back_round_after_round(
                 stats = check.stats()
                 assert stats["retired_bytes"] == 0, f"round {round_ + 1}: space held back"
                 assert stats["keys"] == 0 and stats["evicted"] == 0
+                # its own cached locations were dropped, not waited out
+                assert stats["cache_waits"] == 0
     finally:
         store.close()
 
@@ -134,6 +136,24 @@ def test_the_same_workload_on_mooncake_store() -> None:
     finally:
         store.close()
         process.stop()
+
+
+@pytest.mark.parametrize("size", [64 * KiB, 4 * MiB])   # one Commit / two-phase
+def test_an_upsert_of_a_value_the_client_read_frees_the_old_space_at_once(
+        master: MasterProcess, size: int) -> None:
+    store = hixl_client(master, 32 * MiB)
+    old, new = b"o" * size, b"n" * size
+    try:
+        with MasterClient(master.target, timeout=GIVE_UP_S) as check:
+            for round_ in range(3):
+                assert store.put(f"k{round_}", old) == 0
+                assert store.get(f"k{round_}") == old and store.get(f"k{round_}") == old
+                assert store.upsert(f"k{round_}", new) == 0
+                assert store.get(f"k{round_}") == new
+                stats = check.stats()
+                assert stats["retired_bytes"] == 0 and stats["cache_waits"] == 0
+    finally:
+        store.close()
 
 
 def test_get_size_takes_a_read_lease(master: MasterProcess) -> None:
@@ -246,6 +266,13 @@ def test_a_forced_removal_waits_only_for_reads_that_may_be_in_flight() -> None:
     clock.advance(StoreOptions().default_kv_lease_ttl_ms / 1000)
     assert store.stats()["retired_bytes"] == 0
     assert store.stats()["used"] == used - 768 * KiB
+    # an upsert by a client whose reads are done: the old value's space is free at once
+    assert put(store, "up") == ErrorCode.OK
+    store.get_replicas(["up"], client_id="w", cache=True)
+    used = store.stats()["used"]
+    [started] = store.put_start("w", [("up", 256 * KiB)], upsert=True)
+    assert store.put_end("w", [("up", started.put_id)], reads_done=True) == [ErrorCode.OK]
+    assert store.stats()["used"] == used and store.stats()["retired_bytes"] == 0
     # a plain removal still refuses a leased value, whoever read it
     assert put(store, "leased") == ErrorCode.OK
     store.get_replicas(["leased"], client_id="w")

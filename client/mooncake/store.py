@@ -1073,7 +1073,20 @@ class MooncakeDistributedStore:
     def _put(self, what: str, keys: Sequence[Any], items: list[_Item | int], config: Any, *,
              upsert: bool, reasons: dict[int, str]) -> list[int]:
         """Store items (an int is an outcome already decided, `reasons` says why); one
-        code per item."""
+        code per item. An upsert replaces values this client may have read: as for a
+        removal, once its own reads of them are over (none starts meanwhile) and its
+        cached locations are gone, the master need not wait for them (docs/store.md §4)."""
+        if not upsert:
+            return self._put_now(what, keys, items, config, upsert=False, reasons=reasons,
+                                 reads_done=False)
+        names = [item.key for item in items if isinstance(item, _Item)]
+        with self._reads.removing(names, self._master_timeout) as idle:
+            self._locations.drop(names)
+            return self._put_now(what, keys, items, config, upsert=True, reasons=reasons,
+                                 reads_done=idle)
+
+    def _put_now(self, what: str, keys: Sequence[Any], items: list[_Item | int], config: Any,
+                 *, upsert: bool, reasons: dict[int, str], reads_done: bool) -> list[int]:
         _, master = self._require()
         config = self._config(config)
         codes = [item if isinstance(item, int) else OK for item in items]
@@ -1085,7 +1098,8 @@ class MooncakeDistributedStore:
         pending = [item for item in pending if item.size]
         space = self._space
         if pending and space is not None:
-            pending = self._put_reserved(space, what, pending, config, upsert, codes, reasons)
+            pending = self._put_reserved(space, what, pending, config, upsert, codes, reasons,
+                                         reads_done)
         for attempt in (0, 1):
             if not pending:
                 break
@@ -1111,7 +1125,7 @@ class MooncakeDistributedStore:
                     if result.code == ErrorCode.NO_AVAILABLE_HANDLE:
                         no_room.append(item)
             failed = self._write(jobs)
-            self._finish(jobs, failed, codes, reasons)
+            self._finish(jobs, failed, codes, reasons, reads_done)
             retry = [item for item, _ in jobs if item.index in failed]
             for target in {failed[i.index][0] for i in retry}:
                 self._suspect(target)
@@ -1130,7 +1144,7 @@ class MooncakeDistributedStore:
 
     def _put_reserved(self, space: ReservedSpace, what: str, items: list[_Item],
                       config: ReplicateConfig, upsert: bool, codes: list[int],
-                      reasons: dict[int, str]) -> list[_Item]:
+                      reasons: dict[int, str], reads_done: bool) -> list[_Item]:
         """Put what fits this client's reservations in one master round trip (write, then
         Commit: docs/store.md §2); returns the items left for the two-phase put."""
         master_config = self._master_config(config, False)
@@ -1155,7 +1169,7 @@ class MooncakeDistributedStore:
             return rest
         try:
             results = space.commit([(item.key, item.size, p) for item, p in jobs],
-                                   master_config, upsert=upsert)
+                                   master_config, upsert=upsert, reads_done=reads_done)
         except MasterRpcError as exc:  # it may have been applied: not retried
             for item, _ in jobs:
                 codes[item.index], reasons[item.index] = ErrorCode.RPC_FAIL, str(exc)
@@ -1174,8 +1188,9 @@ class MooncakeDistributedStore:
 
     def _finish(self, jobs: list[tuple[_Item, PutStartResult]],
                 failed: dict[int, tuple[str, str]],
-                codes: list[int], reasons: dict[int, str]) -> None:
-        """PutEnd what landed, PutRevoke what did not."""
+                codes: list[int], reasons: dict[int, str], reads_done: bool) -> None:
+        """PutEnd what landed (`reads_done`: as MasterClient.batch_put_end's), PutRevoke
+        what did not."""
         master = self._master
         assert master is not None
         done = [(item, result) for item, result in jobs if item.index not in failed]
@@ -1185,7 +1200,8 @@ class MooncakeDistributedStore:
             reasons[item.index] = "transfer to {}: {}".format(*failed[item.index])
         if done:
             try:
-                ends = master.batch_put_end([(i.key, r.put_id) for i, r in done])
+                ends = master.batch_put_end([(i.key, r.put_id) for i, r in done],
+                                            reads_done=reads_done)
             except MasterRpcError as exc:
                 ends = [int(ErrorCode.RPC_FAIL)] * len(done)
                 for item, _ in done:

@@ -193,12 +193,14 @@ class PutRef(_message.Message):
     def __init__(self, key: _Optional[str] = ..., put_id: _Optional[int] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("client_id", "puts")
+    __slots__ = ("client_id", "puts", "reads_done")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     PUTS_FIELD_NUMBER: _ClassVar[int]
+    READS_DONE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     puts: _containers.RepeatedCompositeFieldContainer[PutRef]
-    def __init__(self, client_id: _Optional[str] = ..., puts: _Optional[_Iterable[_Union[PutRef, _Mapping]]] = ...) -> None: ...
+    reads_done: bool
+    def __init__(self, client_id: _Optional[str] = ..., puts: _Optional[_Iterable[_Union[PutRef, _Mapping]]] = ..., reads_done: _Optional[bool] = ...) -> None: ...
 
 class CodesReply(_message.Message):
     __slots__ = ("codes",)
@@ -428,16 +430,18 @@ class CommitItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value_length: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[ReservedRange, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("client_id", "config", "upsert", "items")
+    __slots__ = ("client_id", "config", "upsert", "items", "reads_done")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     UPSERT_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    READS_DONE_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     config: ReplicaConfig
     upsert: bool
     items: _containers.RepeatedCompositeFieldContainer[CommitItem]
-    def __init__(self, client_id: _Optional[str] = ..., config: _Optional[_Union[ReplicaConfig, _Mapping]] = ..., upsert: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ...) -> None: ...
+    reads_done: bool
+    def __init__(self, client_id: _Optional[str] = ..., config: _Optional[_Union[ReplicaConfig, _Mapping]] = ..., upsert: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., reads_done: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("client_id", "reservation_ids")
