@@ -4,7 +4,7 @@ One panel per path (fabric; socket, named by its transport: unix socket or TCP),
 with the baselines it is judged against (memcpy on the fabric path; the raw stream and
 Mooncake on the socket path) as thin grey lines and the report's ratio targets as red
 dotted lines (limit x baseline). hixl's lines are thick: one per op, layout and batch
-size (batched points of unlike shapes are never joined), with the ratio to the baseline
+size and API (list or arrays: batched points of unlike shapes are never joined), with the ratio to the baseline
 printed at each batch-1 point. GB/s is at the median call, what the targets use. Only
 synchronous calls are drawn (named so; `--json` has the async cells); the legend sits
 beside the data, never on it.
@@ -80,8 +80,8 @@ class Panel:
 
 
 def panels(report: dict[str, Any]) -> list[Panel]:
-    """What to draw: per path, hixl's synchronous cells (a line per op, layout and batch
-    size, so batched points of unlike shapes are never joined), its baselines, and each
+    """What to draw: per path, hixl's synchronous cells (a line per op, layout, API and
+    batch size, so batched points of unlike shapes are never joined), its baselines, and each
     ratio target of the report as the line it sets (limit x baseline)."""
     cells = [c for c in report["cells"] if c.get("mode", "sync") == "sync"]
     found = []
@@ -93,12 +93,15 @@ def panels(report: dict[str, Any]) -> list[Panel]:
         via = ", ".join(_ROUTE_NAMES.get(r, r) for r in routes) if path == "socket" else \
             "mapped memory"
         panel = Panel(path, f"{path} path ({via}): synchronous calls")
-        groups: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+        groups: dict[tuple[str, str, str, int], list[dict[str, Any]]] = defaultdict(list)
         for cell in engine:
-            groups[(cell["op"], cell.get("layout", "whole"), cell["batch"])].append(cell)
-        for (op, layout, batch), group in sorted(groups.items()):
+            groups[(cell["op"], cell.get("layout", "whole"), cell.get("api", "list"),
+                    cell["batch"])].append(cell)
+        for (op, layout, api, batch), group in sorted(groups.items()):
             group.sort(key=lambda c: c["block"])
-            name = f"hixl {op}" + (f" ({layout})" if layout != "whole" else "")
+            shape = [part for part in (layout if layout != "whole" else "",
+                                       api if api != "list" else "") if part]
+            name = f"hixl {op}" + (f" ({', '.join(shape)})" if shape else "")
             panel.lines.append(Line(
                 f"{name}, {'batch 1' if batch == 1 else f'x{batch} per call'}",
                 [(c["block"], c["p50_gbps"]) for c in group],

@@ -44,6 +44,7 @@ def test_plot_draws_each_path_against_its_baseline_and_target(tmp_path: Path) ->
         _engine("fabric", 64 * KIB, 1, 5.0, 0.5), _engine("fabric", MIB, 1, 9.0, 0.9),
         _engine("fabric", 4 * MIB, 1, 9.5, 0.95),
         _engine("fabric", 4 * KIB, 256, 3.0), _engine("fabric", 64 * KIB, 16, 6.0),
+        {**_engine("fabric", 4 * KIB, 256, 4.0), "api": "arrays"},
         _engine("fabric", MIB, 1, 99.0, 9.9, mode="async"),
         _baseline("memcpy", "fabric", "copy", 64 * KIB, 10.0),
         _baseline("memcpy", "fabric", "copy", MIB, 10.0),
@@ -66,6 +67,7 @@ def test_plot_draws_each_path_against_its_baseline_and_target(tmp_path: Path) ->
     # unlike batched shapes are lines of their own, never one line through both
     assert lines["hixl read, x256 per call"].points == [(4 * KIB, 3.0)]
     assert lines["hixl read, x16 per call"].points == [(64 * KIB, 6.0)]
+    assert lines["hixl read (arrays), x256 per call"].points == [(4 * KIB, 4.0)]
     assert lines["hixl read, batch 1"].ratios == [(64 * KIB, 5.0, 0.5), (MIB, 9.0, 0.9),
                                                   (4 * MIB, 9.5, 0.95)]
     assert lines["memcpy (baseline copies, batch 1)"].points == [
