@@ -788,6 +788,10 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
                             host_setting)
         print(f"hixl-master: {said}", file=sys.stderr, flush=True)
         return 1
+    said = _other_port_refusal(config)  # before the store opens: a taken port fails fast
+    if said:
+        print(f"hixl-master: {said}", file=sys.stderr, flush=True)
+        return 1
     loop = asyncio.get_running_loop()
     candidate: Candidate | None = None
     if etcd is None:
@@ -893,6 +897,31 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
                 await asyncio.to_thread(part.close)
         await close_store()
     return standby.exit_code
+
+
+def _other_port_refusal(config: MasterConfig) -> str:
+    """The first of the other ports asked for (store call endpoint, HTTP side, HTTP
+    metadata server) that cannot be bound, in bind_failure's words; "" when all can."""
+    ports = []
+    if config.fast_port > 0:
+        ports.append(("the store call endpoint", config.host, config.fast_port,
+                      "--fast-port (key 'fast_port', HIXL_MASTER_FAST_PORT)"))
+    if config.metrics_port:
+        ports.append(("the HTTP side (metrics)", config.metrics_host or config.host,
+                      config.metrics_port,
+                      "--metrics-port (--metrics_port, key 'metrics_port', "
+                      "HIXL_MASTER_METRICS_PORT)"))
+    if config.enable_http_metadata_server:
+        ports.append(("the HTTP metadata server",
+                      config.http_metadata_server_host or config.host,
+                      config.http_metadata_server_port,
+                      "--http-metadata-server-port (--http_metadata_server_port, key "
+                      "'http_metadata_server_port', HIXL_MASTER_HTTP_METADATA_SERVER_PORT)"))
+    for what, host, port, setting in ports:
+        refusal = probe_bind(host, port)
+        if refusal is not None:
+            return bind_failure(what, host, port, setting, refusal)
+    return ""
 
 
 def start_http(config: MasterConfig, registry: Registry, store: Callable[[], ObjectStore],

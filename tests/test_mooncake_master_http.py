@@ -222,7 +222,8 @@ def test_a_taken_http_port_stops_the_master_naming_the_flag() -> None:
                                  f"--http_metadata_server_port={port}"],
                                 capture_output=True, text=True, timeout=EVENT_DEADLINE_S * 3)
     assert result.returncode == 1
-    assert f"--http_metadata_server_port): cannot serve HTTP on {HOST}:{port}" in result.stderr
+    assert (f"cannot serve the HTTP metadata server on {HOST}:{port}: port {port} is in use"
+            in result.stderr and "(--http_metadata_server_port, key" in result.stderr)
     assert "Traceback" not in result.stderr
 
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import TEST_STATE_DIR, AgentProcess, clean_env
 
@@ -95,3 +96,16 @@ def test_two_agents_sharing_runtime_dir_and_port_are_told_the_setting(
     assert (f"another agent with grpc_port {port} uses this runtime_dir; give each agent "
             "on this host its own key 'runtime_dir' (--runtime-dir, HIXL_AGENT_RUNTIME_DIR)") \
         in result.stderr
+
+
+@pytest.mark.parametrize(("flag", "what", "setting"), [
+    ("--fast-port", "the store call endpoint", "--fast-port (key 'fast_port'"),
+    ("--metrics-port", "the HTTP side (metrics)", "--metrics-port (--metrics_port, key"),
+])
+def test_master_other_ports_in_use(flag: str, what: str, setting: str) -> None:
+    with listening() as port:
+        result = _master("--port", "0", flag, str(port))
+    assert result.returncode == 1
+    assert (f"hixl-master: cannot serve {what} on 127.0.0.1:{port}: port {port} is in use by "
+            "another process") in result.stderr
+    assert f"choose another port with {setting}" in result.stderr
