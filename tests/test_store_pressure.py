@@ -10,6 +10,7 @@ injected clock. Deadlines only guard against hangs; nothing asserts how long any
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -111,6 +112,41 @@ def test_forced_removals_give_their_space_back_round_after_round(
                 assert stats["cache_waits"] == 0
     finally:
         store.close()
+
+
+def test_under_another_readers_holds_no_acknowledged_put_is_lost() -> None:
+    """The same puts in a pool of four values, with a second client reading every value
+    too (its reads hold the removed space until its lease ends -- a minute here -- and
+    each removal waits for its cache lease): from the fifth put on there is no room
+    (NO_AVAILABLE_HANDLE, nothing stored), yet a put that returned 0 is never evicted
+    before the get right after it, and its forced removal finds it."""
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(MasterProcess(extra=["-default_kv_lease_ttl=60000"]))
+        store = hixl_client(master, 40 * MiB)
+        stack.callback(store.close)
+        reader = hixl_client(master, 0)
+        stack.callback(reader.close)
+        outcomes = run_with_a_second_reader(store, reader)
+    assert outcomes == {0, ErrorCode.NO_AVAILABLE_HANDLE}, outcomes  # both happened
+
+
+def run_with_a_second_reader(store: Any, reader: Any) -> set[int]:
+    """Three rounds of the workload, `reader` getting every value too; what puts returned."""
+    data = values()
+    outcomes: set[int] = set()
+    for round_ in range(3):
+        for i, value in enumerate(data):
+            key = f"shared-{round_}-{i}"
+            code = store.put(key, value)
+            outcomes.add(code)
+            if code != 0:
+                assert code == ErrorCode.NO_AVAILABLE_HANDLE, code
+                assert store.get(key) == b""          # nothing stored
+                continue
+            assert store.get(key) == value, f"round {round_ + 1}: acknowledged {key} lost"
+            assert reader.get(key) == value
+            assert store.remove(key, force=True) == 0
+    return outcomes
 
 
 @pytest.mark.skipif(mooncake_missing() is not None, reason=str(mooncake_missing()))
