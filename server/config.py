@@ -187,16 +187,17 @@ def probe_bind(host: str, port: int) -> OSError | None:
 
 
 def bind_failure(what: str, host: str, port: int, setting: str, reason: OSError | str,
-                 host_setting: str = "key 'host' (--host)") -> str:
+                 host_setting: str = "key 'host' (--host)",
+                 zero: str = "0 for any free one") -> str:
     """The one shape of every bind error of hixl's daemons: what could not be served,
     on which address, why, and the setting to change (`setting` names the port's, e.g.
-    "key 'data_port' (--data-port, HIXL_AGENT_DATA_PORT)")."""
+    "key 'data_port' (--data-port, HIXL_AGENT_DATA_PORT)"; `zero`: what 0 means there)."""
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     code = reason.errno if isinstance(reason, OSError) else None
     if code == errno.EADDRINUSE:
         why = (f"port {port} is in use by another process (`ss -ltnp 'sport = :{port}'` "
                f"shows which)")
-        fix = f"choose another port with {setting}, 0 for any free one, or stop that process"
+        fix = f"choose another port with {setting}, {zero}, or stop that process"
     elif code == errno.EADDRNOTAVAIL:
         why = (f"{host!r} is not an address of this machine"
                + (f" ({reason.strerror})" if isinstance(reason, OSError) and

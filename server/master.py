@@ -920,7 +920,8 @@ def _other_port_refusal(config: MasterConfig) -> str:
     for what, host, port, setting in ports:
         refusal = probe_bind(host, port)
         if refusal is not None:
-            return bind_failure(what, host, port, setting, refusal)
+            zero = "0 for none" if "metrics" in what else "0 for any free one"
+            return bind_failure(what, host, port, setting, refusal, zero=zero)
     return ""
 
 

@@ -569,6 +569,12 @@ class AgentServer:
                                          or "gRPC could not bind it"))
         self.engine_name = f"{cfg.host}:{port}"
         if cfg.metrics_port:  # before the pool is pre-faulted: a taken port fails fast
+            refusal = probe_bind(cfg.host, cfg.metrics_port)
+            if refusal is not None:
+                raise HixlError(bind_failure(
+                    "metrics", cfg.host, cfg.metrics_port,
+                    "key 'metrics_port' (--metrics-port, HIXL_AGENT_METRICS_PORT)", refusal,
+                    zero="0 for no metrics endpoint"))
             self.metrics = MetricsServer(self.metrics_registry, cfg.host, cfg.metrics_port,
                                          "key 'metrics_port'")
         agent = Agent(self.engine_name, cfg.node_id, pool_max_bytes=cfg.pool_max_bytes,

@@ -64,6 +64,16 @@ def test_agent_data_port_in_use(tmp_path: Path) -> None:
     assert "[Errno 98]" not in result.stderr
 
 
+def test_agent_metrics_port_in_use(tmp_path: Path) -> None:
+    with listening() as port:
+        result = _agent(tmp_path, metrics_port=port)
+    assert result.returncode == 1
+    assert (f"cannot serve metrics on 127.0.0.1:{port}: port {port} is in use by another "
+            "process") in result.stderr
+    assert ("choose another port with key 'metrics_port' (--metrics-port, "
+            "HIXL_AGENT_METRICS_PORT), 0 for no metrics endpoint") in result.stderr
+
+
 def test_agent_host_not_on_this_machine(tmp_path: Path) -> None:
     result = _agent(tmp_path, host=FOREIGN_HOST)
     assert result.returncode == 1
