@@ -139,6 +139,11 @@ def add_bench(subparsers: Any) -> None:
                    help="write,read (default both)")
     p.add_argument("--modes", type=_choices(bench.MODES), default=defaults.modes,
                    help="sync,async (default both)")
+    p.add_argument("--api", type=_choices(bench.APIS), default=defaults.apis, dest="apis",
+                   metavar="{list,arrays}",
+                   help="how the engine cells pass their descriptors: list (Engine.transfer "
+                        "with TransferOpDesc lists, the default) and/or arrays "
+                        "(Engine.transfer_arrays with address arrays), e.g. list,arrays")
     p.add_argument("--sizes", type=_size_list, default=defaults.sizes,
                    help="block sizes, e.g. 4K,64K,1M,8784K,64M (the default)")
     p.add_argument("--batch", type=_int_list, default=None, dest="batches",
@@ -182,7 +187,8 @@ def add_bench(subparsers: Any) -> None:
 def bench_config(args: argparse.Namespace) -> bench.BenchConfig:
     """The BenchConfig that `hixl bench` flags describe."""
     return bench.BenchConfig(
-        agent=args.agent, paths=args.paths, layouts=args.layouts, ops=args.ops, modes=args.modes, sizes=args.sizes,
+        agent=args.agent, paths=args.paths, layouts=args.layouts, ops=args.ops, modes=args.modes, apis=args.apis,
+        sizes=args.sizes,
         batches=args.batches, seconds=args.seconds, iterations=args.iterations,
         warmup=max(0, args.warmup), depth=args.depth, max_call_bytes=args.max_call_bytes,
         timeout=args.timeout, matrix=not args.hixl_style, hixl_style=not args.no_hixl_style,
@@ -281,7 +287,7 @@ def emit_report(table: str, report: dict[str, Any], json_target: str | None) -> 
 
 
 def add_bench_store(subparsers: Any) -> None:
-    from hixl.client.store_bench import StoreBenchConfig
+    from hixl.client.store_bench import WORKLOADS, StoreBenchConfig
 
     defaults = StoreBenchConfig()
     p = subparsers.add_parser(
@@ -293,11 +299,20 @@ def add_bench_store(subparsers: Any) -> None:
                     "get_into and the batch forms; Mooncake Store runs side by side in the "
                     "same arrangement when it is installed. Prints GB/s, keys/s, p50/p99 "
                     "latency per call (medians over runs) and the ratio to Mooncake. Every "
-                    "value is compared byte for byte; a wrong byte fails the command.")
-    p.add_argument("--sizes", type=_size_list, default=defaults.sizes,
-                   help="value sizes (default 64K,1M,8784K)")
+                    "value is compared byte for byte; a wrong byte fails the command. "
+                    "--workload lmcache measures the calls LMCache makes per KV chunk "
+                    "request instead.")
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default=defaults.workload,
+                   help="calls: every call form (put, get, put_from, get_into and the batch "
+                        "forms; the default); lmcache: the calls LMCache's Mooncake connector "
+                        "makes per request of KV chunks (batch_is_exist, then batch_put_from / "
+                        "batch_get_into on a registered buffer)")
+    p.add_argument("--sizes", type=_size_list, default=(),
+                   help="value sizes (default 64K,1M,8784K; with --workload lmcache "
+                        "256K,1M,2M)")
     p.add_argument("--batch", type=_positive_int, default=defaults.batch,
-                   help=f"keys per call of the batch forms (default {defaults.batch})")
+                   help=f"keys per call of the batch forms, chunks per request of the "
+                        f"lmcache workload (default {defaults.batch})")
     p.add_argument("--runs", type=_positive_int, default=defaults.runs,
                    help=f"runs per cell; medians are reported (default {defaults.runs})")
     p.add_argument("--run-bytes", type=_one_size, default=defaults.run_bytes,
@@ -332,7 +347,7 @@ def store_bench_config(args: argparse.Namespace) -> Any:
     return StoreBenchConfig(
         sizes=args.sizes, batch=args.batch, runs=args.runs, run_bytes=args.run_bytes,
         master=args.master, mooncake=args.mooncake, mooncake_master=args.mooncake_master,
-        holders=args.holders, local=args.local)
+        holders=args.holders, local=args.local, workload=args.workload)
 
 
 def run_bench_store_command(args: argparse.Namespace) -> int:

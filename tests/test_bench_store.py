@@ -92,6 +92,7 @@ def test_every_cell_is_measured_verified_and_compared_with_mooncake() -> None:
     (["--mooncake-master", "1.2.3.4:x"], "--mooncake-master"),
     (["--run-bytes", "-1"], "--run-bytes"),
     (["--bogus"], "--bogus"),
+    (["--workload", "vllm"], "--workload"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(command: list[str], flags: list[str], named: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -230,3 +231,37 @@ def test_workload_defaults() -> None:
     assert lmcache.sizes == store_bench.LMCACHE_SIZES and lmcache.ops == store_bench.LMCACHE_OPS
     with pytest.raises(ValueError, match="workload must be one of"):
         StoreBenchConfig(workload="vllm").check()
+
+
+def test_the_command_lines_workload_flag_and_its_default_sizes() -> None:
+    """`hixl bench store` alone is the call-forms bench at 64K,1M,8784K; --workload lmcache
+    alone is LMCache's calls at 256K,1M,2M (not the call forms' sizes); --sizes overrides
+    either."""
+    parser = cli.build_parser()
+    plain = cli.store_bench_config(parser.parse_args(["bench-store"]))
+    assert plain == StoreBenchConfig()
+    assert plain.workload == "calls" and plain.sizes == store_bench.DEFAULT_SIZES
+    lmcache = cli.store_bench_config(parser.parse_args(["bench-store", "--workload", "lmcache"]))
+    assert lmcache.workload == "lmcache" and lmcache.sizes == store_bench.LMCACHE_SIZES
+    assert lmcache.ops == store_bench.LMCACHE_OPS
+    sized = cli.store_bench_config(parser.parse_args(
+        ["bench-store", "--workload", "lmcache", "--sizes", "64K"]))
+    assert sized.sizes == (64 << 10,) and sized.workload == "lmcache"
+
+
+def test_hixl_bench_store_workload_lmcache_runs_just_that_workload() -> None:
+    """Through the real command line, default sizes: only LMCache's two request kinds, at
+    each of its chunk sizes, every chunk verified (hixl only, to stay small)."""
+    proc = _bench("bench", "store", "--workload", "lmcache", "--runs", "1", "--batch", "2",
+                  "--run-bytes", "256K", "--no-mooncake", "--json", "-", "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(proc.stdout)
+    assert report["config"]["workload"] == "lmcache" and report["verified"] is True
+    assert report["config"]["sizes"] == list(store_bench.LMCACHE_SIZES)
+    cells = {(c["system"], c["op"], c["size"]): c for c in report["cells"]}
+    assert set(cells) == {("hixl", op, size) for op in store_bench.LMCACHE_OPS
+                          for size in store_bench.LMCACHE_SIZES}
+    for cell in cells.values():
+        assert "skipped" not in cell, cell
+        assert cell["verified"] is True and cell["batch"] == 2 and cell["p50_us"] > 0
+    assert "a request's time is its batch_is_exist" in proc.stderr
