@@ -121,6 +121,7 @@ class StoreConfig:
     put_start_discard_timeout_s: int = 30
     put_start_release_timeout_s: int = 600
     remount_grace_s: int = 60
+    eviction_grace_ms: int = 1_000
     data_dir: str = ""
     persist: bool = True
     etcd_endpoints: str = ""
@@ -144,7 +145,7 @@ class StoreConfig:
             allocation_strategy=self.allocation_strategy,
             put_start_discard_timeout_s=self.put_start_discard_timeout_s,
             put_start_release_timeout_s=self.put_start_release_timeout_s,
-            remount_grace_s=self.remount_grace_s)
+            remount_grace_s=self.remount_grace_s, eviction_grace_ms=self.eviction_grace_ms)
 
 
 def default_data_dir(port: int, environ: dict[str, str] | None = None) -> str | None:
@@ -456,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="S", default=defaults.remount_grace_s,
                        help="after a restart, how long restored segments wait for their "
                             "owners to remount them (default %(default)s)")
+    store.add_argument("--eviction-grace-ms", dest="eviction_grace_ms", type=_int_in(1),
+                       metavar="MS", default=defaults.eviction_grace_ms,
+                       help="an acknowledged put is not evicted for this long, so a get "
+                            "right after it finds the value; a put that finds no other room "
+                            "meanwhile gets NO_AVAILABLE_HANDLE (ms > 0; default "
+                            "%(default)s)")
     store.add_argument("--data-dir", dest="data_dir", default="", metavar="DIR",
                        help="where committed store metadata is kept across restarts "
                             "(default: $XDG_STATE_HOME/hixl/master-<port>; none with "
