@@ -32,7 +32,6 @@ from hixl.errors import (
     ParamInvalid,
     PeerUnavailable,
     TransferTimeout,
-    WrongServer,
     error_for_status,
 )
 from hixl.memory import FdGrant
@@ -40,31 +39,17 @@ from hixl.segment_states import StateView
 from hixl.tls import TlsSetting
 from hixl.types import Perm, SegmentInfo, check_allowed_engines
 from hixl.v1 import agent_pb2, agent_pb2_grpc
+from hixl.wrong_server import AGENT
+from hixl.wrong_server import wrong_server as wrong_server_as
 
 PROTOCOL_VERSION = 1
-#: what gRPC says when the other end does not speak HTTP/2 (a data port, say)
-_NOT_HTTP2 = ("Failed parsing HTTP/2", "Frame size", "Trying to connect an http1.x server")
 
 
 def wrong_server(rpc: grpc.RpcError, error: HixlError, target: str) -> HixlError:
     """`error`, or WrongServer saying what `target` turned out to be, when the call
     reached something other than an agent's gRPC port: a server not speaking gRPC at all
     (an agent's data port), or one without the Agent service (a hixl-master)."""
-    code_fn = getattr(rpc, "code", None)
-    code = code_fn() if callable(code_fn) else None
-    text = str(error)
-    if code == grpc.StatusCode.UNIMPLEMENTED:
-        return WrongServer(
-            f"{what_of(text)}: {target} serves gRPC but not the hixl "
-            "Agent service: a hixl-master's port (it serves the registry and the store), or "
-            "another server? Dial the agent's engine name, host:grpc_port (engine= on its "
-            "'hixl-agent serving' line)")
-    if any(marker in text for marker in _NOT_HTTP2):
-        return WrongServer(
-            f"{what_of(text)}: {target} does not speak gRPC: an agent's data port (data= on "
-            "its 'hixl-agent serving' line) or another kind of server? Dial the agent's "
-            "engine name, host:grpc_port (engine= on that line, default port 50161)")
-    return error
+    return wrong_server_as(rpc, error, target, AGENT, what_of(str(error)))
 
 
 def what_of(text: str) -> str:
