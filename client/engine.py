@@ -802,10 +802,14 @@ class Engine:
         peer.view, peer.table, peer.hint = view, view.table, None
 
     def engines(self) -> dict[str, Any]:
-        """Engine name -> EngineInfo (epoch, endpoints) of every engine the registry lists."""
+        """Engine name -> EngineInfo (epoch, endpoints) of every engine the registry lists.
+
+        Until the registry first answered, waits for it (bounded), then raises saying why
+        (GlobalTable.require): an empty table is not an empty cluster."""
         if self._global is None:
             raise NotConnected(f"engine {self.name} has no registry: pass registry='host:port' "
                                f"or set {REGISTRY_ENV} to list the cluster's engines")
+        self._global.require()
         return self._global.engines()
 
     @property

@@ -9,6 +9,13 @@ followed is gone or not the leader) and resyncs from a fresh SNAPSHOT; meanwhile
 last view stays readable (`synced` is False), since the data path itself reports dead
 peers.
 
+Until the first snapshot, though, the table knows nothing, and an empty table must not
+pass for an empty cluster: `require` (what `Engine.engines()` calls) waits a bounded time
+for that first snapshot and then raises, naming the registry and why it has not answered
+(PeerUnavailable for a registry that is down or silent; WrongServer, at once, for an
+address that is not a registry; AuthenticationFailed, at once, for a refused token). The
+first failure is logged as a WARNING with the same reason.
+
 Readers never wait for the thread: each engine's view is copy-on-write (the thread
 builds a new `EngineView` per change and swaps it in), so a lookup is a dict read plus a
 bisect on an immutable table, with no lock. `wait_for` is the one call that blocks, and
@@ -24,7 +31,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from hixl.errors import HixlError, NotConnected, OutOfRange, ParamInvalid
+from hixl.errors import (
+    AuthenticationFailed,
+    HixlError,
+    NotConnected,
+    OutOfRange,
+    ParamInvalid,
+    PeerUnavailable,
+    WrongServer,
+)
 from hixl.failover import Endpoints
 from hixl.registry_client import (
     EngineEndpoints,
@@ -36,11 +51,14 @@ from hixl.registry_client import (
 from hixl.table import AddressTable
 from hixl.tls import TlsSetting, client_tls
 from hixl.types import SegmentInfo
+from hixl.wrong_server import REGISTRY
 
 log = logging.getLogger("hixl.global_table")
 
 BACKOFF_FIRST_S = 0.05
 BACKOFF_MAX_S = 1.0
+#: failures that waiting does not mend: `require` raises them at once
+FINAL_FAILURES: tuple[type[HixlError], ...] = (WrongServer, AuthenticationFailed)
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,7 @@ class GlobalTable:
         self._version = 0
         self._resyncs = 0
         self._synced = False
+        self._last_error: HixlError | None = None  # why the watch failed last (None: never)
         self._stop = threading.Event()
         self._watch_lock = threading.Lock()
         self._watch: object | None = None           # the open RegistryWatch, for close()
@@ -110,8 +129,44 @@ class GlobalTable:
         """True while the watch stream is up and its snapshot applied."""
         return self._synced
 
+    @property
+    def last_error(self) -> HixlError | None:
+        """Why the watch failed last (None if it never did); kept after a later success."""
+        return self._last_error
+
+    def require(self, timeout: float | None = None) -> None:
+        """Return once the table holds the registry's view; raise while it never has.
+
+        After a first snapshot this returns at once, whatever happens later (an outage
+        keeps the last view readable). Before it, wait at most `timeout` seconds (default:
+        the table's timeout) for that snapshot, then raise naming the registry and the
+        last failure: PeerUnavailable (down, unreachable or silent), or at once
+        WrongServer / AuthenticationFailed, which waiting does not mend.
+        """
+        if self._resyncs:
+            return
+        limit = self._timeout if timeout is None else timeout
+        self.wait_for(lambda table: bool(table.resyncs) or isinstance(
+            table.last_error, FINAL_FAILURES), limit)
+        if self._resyncs:
+            return
+        error = self._last_error
+        cls: type[HixlError] = type(error) if isinstance(error, FINAL_FAILURES) else \
+            PeerUnavailable
+        if error is None:
+            why = (f"no snapshot within {limit:g} s" if not self._stop.is_set()
+                   else "the table was closed first")
+        else:
+            why = str(error.args[0]) if error.args else str(error)
+        fix = ("" if isinstance(error, FINAL_FAILURES) else
+               f"; is hixl-master running at {self.registry} (engines follow the address "
+               "the agents' --master names)? ")
+        raise cls(f"registry {self.registry} has not answered since this engine started, so "
+                  f"nothing is known of the cluster yet: {why}{fix}".rstrip())
+
     def engines(self) -> dict[str, EngineInfo]:
-        """Engine name -> identity, epoch and endpoints, for every engine with a live lease."""
+        """Engine name -> identity, epoch and endpoints, for every engine with a live lease
+        (empty before the first snapshot: `require` tells the two apart)."""
         return {name: view.info for name, view in self._views.items()}
 
     def view(self, engine: str) -> EngineView | None:
@@ -202,7 +257,7 @@ class GlobalTable:
             # watch that broke because its master is gone moved it to the next address
             address = self._endpoints.current()
             client = RegistryClient(self._endpoints, timeout=self._timeout,
-                                    cluster_token=self._token, tls=self._tls)
+                                    cluster_token=self._token, tls=self._tls, expect=REGISTRY)
             try:
                 watch = client.open_watch(engines=True)
                 with self._watch_lock:
@@ -215,9 +270,15 @@ class GlobalTable:
                 if not self._stop.is_set():
                     log.info("registry %s ended the watch; resyncing", address)
             except HixlError as exc:
-                level = logging.INFO if failures == 0 else logging.DEBUG
-                log.log(level, "registry %s watch lost: %s (resyncing from %s)", address, exc,
-                        self._endpoints.current())
+                self._failed(exc)
+                if not self._resyncs and failures == 0:
+                    log.warning("registry %s has not answered: %s (retrying; until it does, "
+                                "this engine knows no peers, and engines() raises this)",
+                                address, exc)
+                else:
+                    level = logging.INFO if failures == 0 else logging.DEBUG
+                    log.log(level, "registry %s watch lost: %s (resyncing from %s)", address,
+                            exc, self._endpoints.current())
             except Exception:  # a bug in applying must not silently freeze the table
                 log.exception("registry %s watch failed; resyncing", address)
             finally:
@@ -227,6 +288,11 @@ class GlobalTable:
                 self._mark(synced=False)
             failures += 1
             self._stop.wait(min(self._backoff_max, BACKOFF_FIRST_S * 2 ** min(failures, 10)))
+
+    def _failed(self, error: HixlError) -> None:
+        with self._changed:
+            self._last_error = error
+            self._changed.notify_all()
 
     def _mark(self, *, synced: bool) -> None:
         with self._changed:

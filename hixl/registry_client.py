@@ -36,6 +36,7 @@ from hixl.failover import Endpoints, TryNext, rpc_failure
 from hixl.tls import TlsSetting, client_tls
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
+from hixl.wrong_server import Expected, wrong_server
 
 #: Ping an open watch stream every 10 s and give up 5 s after an unanswered ping, so a
 #: master that disappears without closing its sockets still ends the stream.
@@ -268,6 +269,17 @@ def agent_owner_key(state_dir: str, engine: str) -> bytes:
     return owner_key_from_secret(load_owner_secret(state_dir, engine), engine)
 
 
+def _converter(address: str, expect: Expected | None,
+               ) -> Callable[[grpc.RpcError, str], HixlError]:
+    """How a failed registry call at `address` becomes a HixlError (hixl.failover's
+    `convert`): error_from_rpc, or WrongServer when `expect` is given and the address is
+    another kind of server."""
+    if expect is None:
+        return error_from_rpc
+    return lambda exc, what: wrong_server(exc, error_from_rpc(exc, what), address, expect,
+                                          what)
+
+
 class RegistryWatch:
     """A registry watch stream: iterate WatchEvents; `close()` from any thread ends it.
 
@@ -276,14 +288,16 @@ class RegistryWatch:
     registry goes away, NotLeader from a standby master, ResourceExhausted when it
     dropped this watcher for lagging); a registry gone or not leading is also reported to
     `endpoints`, so the next watch opens at the next address (or the leader named).
+    With `expect`, an address that is not a registry raises WrongServer saying what it is.
     """
 
     def __init__(self, call: Any, what: str, endpoints: Endpoints | None = None,
-                 address: str = "") -> None:
+                 address: str = "", expect: Expected | None = None) -> None:
         self._call = call
         self._what = what
         self._endpoints = endpoints
         self._address = address
+        self._expect = expect
         self._closed = False
 
     def __iter__(self) -> RegistryWatch:
@@ -311,7 +325,7 @@ class RegistryWatch:
                                   segments, engines)
 
     def _failure(self, exc: grpc.RpcError) -> HixlError:
-        outcome = rpc_failure(exc, self._what, error_from_rpc)
+        outcome = rpc_failure(exc, self._what, _converter(self._address, self._expect))
         if not isinstance(outcome, TryNext):
             return outcome
         if self._endpoints is not None:
@@ -344,10 +358,16 @@ class RegistryClient:
     With a `cluster_token`, every call proves it (hixl.auth), as a registry with a token
     requires. `tls`: a hixl.tls.ClientTLS to dial with TLS, False for plaintext, None as
     HIXL_TLS_CA_FILE (and friends) say.
+
+    `expect`: what to say when an address answers but serves no registry (an agent that
+    has a master of its own, an agent's data port): hixl.wrong_server.REGISTRY for an
+    engine's registry= (WrongServer naming the fix); None leaves gRPC's own error (the
+    agent's publisher explains it in terms of its key 'master').
     """
 
     def __init__(self, target: str | Sequence[str] | Endpoints, *, timeout: float = 5.0,
-                 cluster_token: str | bytes | None = None, tls: TlsSetting = None) -> None:
+                 cluster_token: str | bytes | None = None, tls: TlsSetting = None,
+                 expect: Expected | None = None) -> None:
         if timeout <= 0:
             raise ParamInvalid(f"registry client timeout must be positive, got {timeout}")
         self.endpoints = target if isinstance(target, Endpoints) else Endpoints(
@@ -355,6 +375,7 @@ class RegistryClient:
         #: every address, as given ("h1:p1,h2:p2"); `current` is the one in use
         self.target = self.endpoints.describe()
         self.timeout = timeout
+        self._expect = expect
         self._token = as_token(cluster_token)
         self._tls = client_tls(tls) or False  # resolved once: every address dials alike
         self._channels: dict[str, tuple[grpc.Channel, agent_pb2_grpc.RegistryStub]] = {}
@@ -446,7 +467,7 @@ class RegistryClient:
             return getattr(self._stub(address), method)(
                 request, timeout=max(0.001, deadline - time.monotonic()))
         except grpc.RpcError as exc:
-            raise rpc_failure(exc, what(address), error_from_rpc) from None
+            raise rpc_failure(exc, what(address), _converter(address, self._expect)) from None
 
     def _lease_key(self, lease_id: int, owner_key: bytes | None) -> bytes:
         if owner_key is not None:
@@ -520,7 +541,8 @@ class RegistryClient:
         address = self.endpoints.current()
         call = self._stub(address).Watch(
             agent_pb2.WatchRegistryRequest(engines=engines, columns=columns), timeout=timeout)
-        return RegistryWatch(call, f"watch of registry {address}", self.endpoints, address)
+        return RegistryWatch(call, f"watch of registry {address}", self.endpoints, address,
+                             self._expect)
 
     def close(self) -> None:
         with self._lock:

@@ -337,6 +337,44 @@ def test_an_unreachable_registry_never_blocks_the_caller() -> None:
         table.close()
 
 
+def test_engines_before_the_registry_ever_answered_raises_with_the_reason() -> None:
+    """An empty table is not an empty cluster: with no master at the address, engines()
+    raises PeerUnavailable naming the registry and why (not `{}` and an INFO line)."""
+    registry = f"127.0.0.1:{free_port()}"
+    with Engine("127.0.0.1", registry=registry) as engine:
+        with pytest.raises(PeerUnavailable) as caught:
+            engine.engines()
+        said = str(caught.value)
+        assert f"registry {registry} has not answered since this engine started" in said
+        assert "Connection refused" in said  # the watch's own reason
+        assert f"is hixl-master running at {registry}" in said
+        table = engine.global_table
+        assert table is not None and isinstance(table.last_error, PeerUnavailable)
+
+
+def test_a_registry_that_starts_late_is_followed_and_then_outlived(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The master comes up after the engine: once its first snapshot arrives, engines()
+    answers from it; an outage after that keeps serving the last table, no raise."""
+    port = free_port()
+    with Engine("127.0.0.1", registry=f"127.0.0.1:{port}") as engine:
+        table = engine.global_table
+        assert table is not None
+        assert table.wait_for(lambda t: t.last_error is not None, GIVE_UP_S)
+        assert any(r.levelname == "WARNING" and "has not answered" in r.getMessage()
+                   for r in caplog.records if r.name == "hixl.global_table")
+        with MasterProcess(port=port) as master:
+            with RegistryClient(master.target, timeout=GIVE_UP_S) as client:
+                client.publish("late:1", "n", 7, [], 30_000)
+            table.require(GIVE_UP_S)  # the first snapshot: no raise from now on
+            assert table.wait_for(lambda t: "late:1" in t.engines(), GIVE_UP_S)
+            assert engine.engines()["late:1"].epoch == 7
+            master.kill()
+            assert table.wait_for(lambda t: not t.synced, GIVE_UP_S)
+            assert engine.engines()["late:1"].epoch == 7  # the last known table
+        table.require(0)  # returns at once: it was synced once
+
+
 # ---------------------------------------------------------------- membership events (domain)
 
 
