@@ -292,3 +292,76 @@ def _answers(client: MasterClient) -> bool:
     except HixlError:
         return False
     return True
+
+
+# ------------------------------------------------------------------ --eviction-grace-ms
+
+@pytest.mark.parametrize("flags", [["--eviction_grace_ms=250"], ["--eviction-grace-ms", "250"],
+                                   ["-eviction_grace_ms", "250"], ["-eviction-grace-ms=250"]])
+def test_eviction_grace_in_every_spelling_reaches_the_store_options(flags: list[str]) -> None:
+    config = parse_config(flags, env={})
+    assert config.store.eviction_grace_ms == 250
+    assert config.store.options().eviction_grace_ms == 250   # what ObjectStore is built with
+
+
+def test_eviction_grace_from_yaml_and_the_environment(tmp_path: Path) -> None:
+    assert parse_config([], env={}).store.options().eviction_grace_ms == 1000
+    path = tmp_path / "master.yaml"
+    path.write_text("eviction_grace_ms: 4000\n")
+    assert parse_config([f"--config={path}"], env={}).store.eviction_grace_ms == 4000
+    env = {"HIXL_MASTER_EVICTION_GRACE_MS": "5000"}
+    assert parse_config([f"--config={path}"], env=env).store.eviction_grace_ms == 5000
+    assert parse_config([f"--config={path}", "--eviction_grace_ms=6000"],
+                        env=env).store.eviction_grace_ms == 6000
+    assert MasterConfig.describe()["eviction_grace_ms"]["env"] == "HIXL_MASTER_EVICTION_GRACE_MS"
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1s", "soon"])
+def test_a_bad_eviction_grace_is_refused_by_name(value: str) -> None:
+    said = _refused(f"--eviction_grace_ms={value}", "--rpc_port=0", "--no-persist")
+    assert "--eviction-grace-ms" in said
+
+
+@pytest.mark.parametrize("grace_ms", [1, 600_000])
+def test_a_running_master_holds_fresh_puts_for_the_grace_it_was_given(grace_ms: int) -> None:
+    """A real hixl-master and store client: the pool is filled, then a read lease of
+    1.5 s (the store's own clock: more than the default 1 s grace) runs out, and four more
+    values are put. Under a 1 ms grace they evict the oldest values; under a 10-minute
+    one they run out of room (NO_AVAILABLE_HANDLE) and every acknowledged value is kept."""
+    from hixl.client.mooncake import MooncakeDistributedStore
+    from hixl.client.registry_bench import MasterProcess
+    from hixl.store_codes import ErrorCode
+
+    mib = 1 << 20
+    value = b"g" * mib
+    with MasterProcess(extra=[f"--eviction_grace_ms={grace_ms}", "-default_kv_lease_ttl=1500",
+                              "--eviction_high_watermark_ratio=1.0"]) as master:
+        store = MooncakeDistributedStore(setup_timeout=START_DEADLINE_S)
+        assert store.setup("127.0.0.1", "P2PHANDSHAKE", 8 * mib + mib // 2, 16 * mib, "tcp",
+                           "", master.target) == 0, store.last_error
+        try:
+            with MasterClient(master.target, timeout=START_DEADLINE_S) as check:
+                assert store.put("clock", b"c" * 4096) == 0
+                kept: list[str] = []
+                while True:
+                    stats = check.stats()
+                    if stats["capacity"] - stats["used"] < mib:
+                        break
+                    assert len(kept) < 16, stats
+                    assert store.put(f"v{len(kept)}", value) == 0, store.last_error
+                    kept.append(f"v{len(kept)}")
+                assert store.get("clock") == b"c" * 4096        # a read lease of 1.5 s
+                waiting.wait_until(lambda: store.remove("clock") == 0,
+                                   "the clock value's read lease ends", START_DEADLINE_S)
+                late = [store.put(f"late{i}", value) for i in range(4)]
+                sizes = [store.get_size(key) for key in kept]
+                evicted = check.stats()["evicted"]
+                if grace_ms == 1:
+                    assert late == [0] * 4, store.last_error
+                    assert evicted >= 1 and sizes[0] == ErrorCode.OBJECT_NOT_FOUND  # oldest
+                    assert store.get("late3") == value
+                else:
+                    assert late[-1] == ErrorCode.NO_AVAILABLE_HANDLE, late
+                    assert evicted == 0 and sizes == [mib] * len(kept)  # nothing evicted
+        finally:
+            store.close()
