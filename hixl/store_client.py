@@ -33,8 +33,10 @@ Reading (under a lease: no removal or eviction frees the replicas for lease_ttl_
 
 Every per-key outcome is a Mooncake `ErrorCode` (hixl.store_codes), returned, not
 raised. Only a failed *call* raises: `MasterUnavailable` when the master cannot be
-reached or does not answer within the deadline, `MasterRpcError` (base class) for any
-other RPC failure, e.g. a wrong cluster token or a server without the Master service.
+reached or does not answer within the deadline, `MasterWrongServer` when the address
+answered but is no hixl-master (an agent's gRPC or data port: the message says which, and
+what to give instead), `MasterRpcError` (base class) for any other RPC failure, e.g. a
+wrong cluster token.
 All of them carry `.code == ErrorCode.RPC_FAIL`, which is what the store returns for
 them; a missing key is OBJECT_NOT_FOUND, never an exception. Every call has a deadline
 (`timeout`, default 5 s), so a dead master never hangs a caller; while the master is
@@ -70,7 +72,13 @@ import grpc
 from hixl import wire
 from hixl.auth import as_token
 from hixl.control import error_from_rpc, node_identity, open_channel
-from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid, PeerUnavailable
+from hixl.errors import (
+    AuthenticationFailed,
+    HixlError,
+    ParamInvalid,
+    PeerUnavailable,
+    WrongServer,
+)
 from hixl.failover import Endpoints, NotLeader, TryNext, rpc_failure
 from hixl.registry_client import (
     CLIENT_KEEPALIVE_OPTIONS,
@@ -83,6 +91,7 @@ from hixl.store_codes import ErrorCode
 from hixl.store_rpc import MESSAGES, CallFailed, FastPath, target_host
 from hixl.tls import TlsSetting, client_tls
 from hixl.v1 import store_pb2, store_pb2_grpc
+from hixl.wrong_server import MASTER, wrong_server
 
 log = logging.getLogger("hixl.store.client")
 
@@ -307,14 +316,25 @@ class MasterNotLeader(MasterUnavailable, NotLeader):
     """The master answered that it is not the leader (and no leader answered in time)."""
 
 
+class MasterWrongServer(MasterRpcError, WrongServer):
+    """The master address answered, but is no hixl-master: an agent's gRPC or data port,
+    say (hixl.wrong_server). Final: the same address answers the same way, so store setup
+    does not retry it until its deadline."""
+
+
 _UNAVAILABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                 grpc.StatusCode.CANCELLED})
 
 
-def master_error(exc: grpc.RpcError, what: str) -> MasterRpcError:
-    """The typed MasterRpcError a failed call to the master stands for."""
+def master_error(exc: grpc.RpcError, what: str, target: str = "") -> MasterRpcError:
+    """The typed MasterRpcError a failed call to the master stands for; with the master
+    address `target`, MasterWrongServer when it turned out to be another kind of server."""
     code = exc.code() if callable(getattr(exc, "code", None)) else None
     base = error_from_rpc(exc, what)
+    if target:
+        wrong = wrong_server(exc, base, target, MASTER, what, MasterWrongServer)
+        if isinstance(wrong, MasterWrongServer):
+            return wrong
     message = str(base.args[0]) if base.args else what
     if code in _UNAVAILABLE_CODES:
         return MasterUnavailable(message)
@@ -529,7 +549,8 @@ class MasterClient:
         try:
             reply = getattr(link.stub, method)(request, timeout=limit)
         except grpc.RpcError as exc:
-            raise rpc_failure(exc, where, master_error, MasterNotLeader) from None
+            raise rpc_failure(exc, where, lambda rpc, said: master_error(rpc, said, address),
+                              MasterNotLeader) from None
         if method in ADVERTISING and fast is not None:
             fast.advertised(reply.fast_port)
         return reply
@@ -1148,7 +1169,8 @@ class ReservedSpace:
 __all__ = [
     "ClientStatus", "CountResult", "GetReplicasResult", "HeartbeatResult", "KeyInfo",
     "KeyListing", "KeyReplica", "KeyState", "LocationCache", "MasterClient", "MasterNotLeader",
-    "MasterAuthenticationFailed", "MasterRpcError", "MasterUnavailable", "MountedSegment",
+    "MasterAuthenticationFailed", "MasterRpcError", "MasterUnavailable", "MasterWrongServer",
+    "MountedSegment",
     "NOT_IDEMPOTENT",
     "PutStartResult", "ReadGate", "Replica", "ReplicaConfig", "ReplicaState", "Reservation",
     "Placement", "ReserveResult", "ReservedRange", "ReservedSpace", "SegmentResult",

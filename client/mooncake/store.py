@@ -77,6 +77,7 @@ from hixl.store_client import (
     LocationCache,
     MasterClient,
     MasterRpcError,
+    MasterWrongServer,
     PutStartResult,
     ReadGate,
     Replica,
@@ -779,6 +780,9 @@ class MooncakeDistributedStore:
                                      f"{self._segment.engine}/{self._segment.segment_id}: "
                                      f"{result.message or code_name(result.code)}")
                 return
+            except MasterWrongServer as exc:  # it will answer the same way: no retry
+                raise StoreError(ErrorCode.RPC_FAIL, f"master_server_addr {master} is not a "
+                                 f"hixl-master: {exc.args[0]}") from None
             except MasterRpcError as exc:
                 if time.monotonic() + SETUP_RETRY_S >= deadline:
                     raise StoreError(ErrorCode.RPC_FAIL, (
