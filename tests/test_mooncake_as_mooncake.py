@@ -163,9 +163,27 @@ def test_pth_opt_in_for_an_environment(tmp_path: Path, script: Path) -> None:
     (["--frobnicate"], 2, "unknown option --frobnicate"),
     (["no-such-command-here"], 127, "cannot run 'no-such-command-here'"),
     (["--install-pth", "--site-dir", "/nonexistent/dir"], 1, "/nonexistent/dir"),
+    (["--version", "python"], 2, "--version takes nothing after it, got 'python'"),
 ])
 def test_launcher_refusals(args: list[str], code: int, said: str) -> None:
     result = run([*LAUNCHER, *args])
     assert result.returncode == code
     assert said in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_version_names_hixls_and_the_mooncake_it_stands_in_for() -> None:
+    """`hixl-as-mooncake --version`, as `hixl --version`: the program and hixl's version on
+    stdout, exit 0; and the Mooncake release whose Python names it serves. After a
+    command, --version is the command's own flag (passed through untouched)."""
+    from hixl import __version__
+    from hixl.client.as_mooncake import MOONCAKE_VERSION
+
+    result = run([*LAUNCHER, "--version"])
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    assert line.startswith(f"hixl-as-mooncake {__version__} ")
+    assert f"Mooncake {MOONCAKE_VERSION}" in line and "mooncake.store" in line
+    assert MOONCAKE_VERSION == "0.3.13" and result.stderr == ""
+    passed = run([*LAUNCHER, sys.executable, "--version"])
+    assert passed.returncode == 0 and passed.stdout.startswith("Python "), passed

@@ -43,6 +43,8 @@ ALIASES = {
     "mooncake.mooncake_config": "hixl.client.mooncake.store",
 }
 PACKAGE = "mooncake"
+#: the Mooncake release whose Python API (../shared/mooncake-api.txt) the adapters follow
+MOONCAKE_VERSION = "0.3.13"
 #: "0" turns the alias off (launcher, .pth and children alike)
 ENV_SWITCH = "HIXL_AS_MOONCAKE"
 SITE_DIR = Path(__file__).resolve().parent
@@ -51,12 +53,22 @@ PTH_LINE = ("import os; os.environ.get('HIXL_AS_MOONCAKE', '1') != '0' and "
             "__import__('hixl.client.as_mooncake', fromlist=['install']).install()\n")
 USAGE = """usage: hixl-as-mooncake [--] COMMAND [ARGS...]
        hixl-as-mooncake --install-pth [--site-dir DIR] | --uninstall-pth [--site-dir DIR]
+       hixl-as-mooncake --version
 
 Run COMMAND with `import mooncake.store` / `mooncake.engine` / `mooncake.mooncake_config`
 served by hixl (in COMMAND's Python processes and their children). --install-pth makes
 that the default for every process of this Python environment (a .pth file in its
 site-packages, or DIR); HIXL_AS_MOONCAKE=0 turns it off for a process.
 """
+
+
+def version_line() -> str:
+    """What --version prints: hixl's version (as `hixl --version` does) and the Mooncake
+    release whose names it serves."""
+    from hixl import __version__
+
+    return (f"hixl-as-mooncake {__version__} (hixl {__version__}, standing in for Mooncake "
+            f"{MOONCAKE_VERSION}: {', '.join(sorted(ALIASES))})")
 
 
 def enabled() -> bool:
@@ -154,6 +166,13 @@ def main(argv: Sequence[str] | None = None) -> Any:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not args else sys.stdout, end="")
         return 2 if not args else 0
+    if args[0] == "--version":
+        if args[1:]:
+            print(f"hixl-as-mooncake: --version takes nothing after it, got "
+                  f"{' '.join(args[1:])!r}\n{USAGE}", file=sys.stderr, end="")
+            return 2
+        print(version_line())
+        return 0
     if args[0] in ("--install-pth", "--uninstall-pth"):
         pth = _site_dir(args[1:]) / PTH_NAME
         try:
@@ -181,5 +200,5 @@ def main(argv: Sequence[str] | None = None) -> Any:
         return 127 if isinstance(exc, FileNotFoundError) else 126
 
 
-__all__ = ["ALIASES", "ENV_SWITCH", "MooncakeAlias", "install", "launch_environment", "main",
+__all__ = ["ALIASES", "ENV_SWITCH", "MOONCAKE_VERSION", "MooncakeAlias", "install", "launch_environment", "main",
            "run_hidden_sitecustomize"]
