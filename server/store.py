@@ -563,7 +563,13 @@ class ObjectStore:
         self._counters: dict[str, int] = dict.fromkeys(
             ("puts", "evicted", "evictions", "expired_clients", "preempted_puts",
              "released_puts", "commits", "reservations_granted", "reservations_expired",
-             "cache_waits"), 0)
+             "cache_waits", "remount_holds", "remount_hold_timeouts"), 0)
+        #: bumped whenever the mounted segments change (a mount, a remount, an unmount, a
+        #: restored segment given up); calls held for a remount wait for it
+        #: (`wait_segments_changed`), each through a listener in `_segment_listeners`
+        self._segments_version = 0
+        self._segment_listeners: set[Callable[[], None]] = set()
+        self._listeners_lock = threading.Lock()
         self._snapshot_lock = threading.Lock()
         if data_dir is not None and backend is not None:
             raise TypeError("ObjectStore takes data_dir or backend, not both")
@@ -634,6 +640,7 @@ class ObjectStore:
                 restored = 0 if held.live else len(held.keys)
                 held.client_id, held.live, held.info = client_id, True, segment
                 self._journal_locked({"t": "mount", **_segment_record(held)})
+                self._segments_changed_locked()
                 log.info("%s %s by client %s (%d objects)", name,
                          "remounted" if restored else "mounted again", client_id, restored)
                 return SegmentResult(ErrorCode.OK, "", restored)
@@ -652,6 +659,7 @@ class ObjectStore:
             mounted.allocator.reserve(0, segment.length)
             self._at_locked(until, "free", _Replica(0, mounted, 0, segment.length))
         self._journal_locked({"t": "mount", **_segment_record(mounted)})
+        self._segments_changed_locked()
         return SegmentResult(ErrorCode.OK)
 
     def unmount_segment(self, client_id: str, engine: str, segment_id: int) -> SegmentResult:
@@ -670,6 +678,54 @@ class ObjectStore:
             mark = self._journal_locked({"t": "unmount", "e": engine, "i": segment_id})
             wait_s = self._take_cache_wait_locked()
         return self._after_caches(SegmentResult(ErrorCode.OK, "", dropped), mark, wait_s)
+
+    # -- calls held for a remount (docs/store.md, "A master switch") --------------------
+
+    def segments_version(self) -> int:
+        """A number that changes whenever the mounted segments change (read it before a
+        call whose outcome depends on them, then `wait_segments_changed` from it)."""
+        return self._segments_version
+
+    def remount_pending(self) -> tuple[int, int]:
+        """(segments awaiting their owner's remount, segments known): restored after a
+        restart or a master switch, their space lends nothing until remounted."""
+        with self._lock:
+            segments = list(self._segments.values())
+        return sum(1 for s in segments if not s.live), len(segments)
+
+    def add_segment_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` (from the changing thread, under the store's lock: it must
+        only signal) at every change of the mounted segments, until removed. Each listener
+        is a call held for a remount: `stats()["puts_held_for_remount"]` counts them."""
+        with self._listeners_lock:
+            self._segment_listeners.add(listener)
+
+    def remove_segment_listener(self, listener: Callable[[], None]) -> None:
+        with self._listeners_lock:
+            self._segment_listeners.discard(listener)
+
+    def wait_segments_changed(self, version: int, timeout: float) -> bool:
+        """Block until the mounted segments changed since `version` (True) or `timeout`
+        seconds passed (False)."""
+        changed = threading.Event()
+        self.add_segment_listener(changed.set)
+        try:
+            return self._segments_version != version or changed.wait(max(0.0, timeout))
+        finally:
+            self.remove_segment_listener(changed.set)
+
+    def count_remount_hold(self, *, timed_out: bool) -> None:
+        """Count a call held for a remount (stats `remount_holds`), and one answered
+        before the remount came (`remount_hold_timeouts`)."""
+        with self._lock:
+            self._counters["remount_hold_timeouts" if timed_out else "remount_holds"] += 1
+
+    def _segments_changed_locked(self) -> None:
+        self._segments_version += 1
+        with self._listeners_lock:
+            listeners = list(self._segment_listeners)
+        for listener in listeners:
+            listener()
 
     def list_segments(self) -> list[MountedSegment]:
         with self._lock:
@@ -1195,6 +1251,7 @@ class ObjectStore:
                                             for r in self._reservations.values())),
                 "segments": float(len(live)),
                 "segments_awaiting_remount": float(len(self._segments) - len(live)),
+                "puts_held_for_remount": float(len(self._segment_listeners)),
                 "clients": float(len(self._clients)),
                 "capacity": float(capacity),
                 "used": float(used),
@@ -1428,6 +1485,7 @@ class ObjectStore:
         for reservation_id in list(segment.reservations):
             self._end_reservation_locked(self._reservations[reservation_id])
         del self._segments[segment.ident]
+        self._segments_changed_locked()
         log.info("segment %s/%s of client %s %s: %d objects dropped", segment.info.engine,
                  segment.info.segment_id, segment.client_id, why, dropped)
         return dropped

@@ -5,7 +5,10 @@ connection (as the agent's data server): read a frame, check it with the sans-IO
 `wire.CallServerProtocol` (handshake and cluster token first: nothing is served before
 it), run the method through the same `StoreCalls` the gRPC servicer uses, send the
 reply. The store's calls may wait for the journal's fsync; each connection waits on its
-own thread, and concurrent commits share an fsync (the journal's group commit).
+own thread, and concurrent commits share an fsync (the journal's group commit). A
+PutStart or Reserve that finds no room while segments await their remount (a master
+switch) is held on its connection's thread for up to REMOUNT_HOLD_S (a CALL carries no
+deadline), and allocates nothing more once its caller closed the connection (gave up).
 
 A call that fails as a call (a request that does not parse, an internal error, a
 reply over wire.MAX_CALL) is answered with error text, logged once under the caller's
@@ -49,7 +52,7 @@ from hixl.server.connections import (
     ThreadPerConnection,
 )
 from hixl.server.leadership import Leadership
-from hixl.server.store_service import StoreCalls
+from hixl.server.store_service import Hold, StoreCalls
 from hixl.store_rpc import MESSAGES, METHODS
 
 log = logging.getLogger("hixl.store.rpc")
@@ -250,8 +253,13 @@ class _Connection:
                 text = f"{method}: the request does not parse as {request_type.__name__}: {exc}"
                 log.warning("store call failed: %s", text)
                 return wire.error_reply(rid, wire.Reason.BAD_FRAME, text)
+            handler = self.server._calls.handlers[method]
             try:
-                reply = self.server._calls.handlers[method](request).SerializeToString()
+                if method in StoreCalls.HOLDING:  # may wait for a remount: see Hold
+                    answer = handler(request, hold=Hold.for_deadline(None, self._caller_gone))
+                else:
+                    answer = handler(request)
+                reply = answer.SerializeToString()
             except HixlError as exc:
                 log.warning("store call %s failed: %s", method, exc)
                 return wire.error_reply(rid, wire.Reason.INTERNAL, f"{method}: {exc}")
@@ -267,6 +275,18 @@ class _Connection:
                 return wire.error_reply(rid, wire.Reason.BAD_LENGTH, text)
         self.server.counters["calls"] += 1
         return wire.call_reply(rid, len(reply)) + reply
+
+    def _caller_gone(self) -> bool:
+        """True once the caller closed the connection while its call ran (it gave up at
+        its deadline): a client sends nothing else before the reply, so anything to read
+        now is the end of the stream."""
+        try:
+            data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return not data
 
     def _take(self, count: int, idle: bool = False) -> memoryview:
         """The next `count` bytes of the stream. `idle`: the connection may wait for them

@@ -12,10 +12,12 @@ serving (the registry on the same server included).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -23,6 +25,8 @@ import grpc
 from hixl.errors import HixlError, ParamInvalid
 from hixl.server.store import ObjectStore
 from hixl.store_client import (
+    PutStartResult,
+    ReserveResult,
     key_info_to_pb,
     replica_config_from_pb,
     replica_to_pb,
@@ -35,6 +39,55 @@ from hixl.v1 import store_pb2, store_pb2_grpc
 log = logging.getLogger("hixl.store")
 
 UPKEEP_EVERY_S = 0.1
+#: how long a PutStart or Reserve that finds no room while segments await their owners'
+#: remount (a master switch or restart) waits for the remount when its caller's deadline
+#: is not known (the call endpoint carries none): within a client's default 5 s master
+#: timeout, and the caller that gave up meanwhile is noticed (Hold.caller_gone)
+REMOUNT_HOLD_S = 3.0
+#: what a held call keeps of its caller's known deadline (gRPC) to answer before it
+HOLD_MARGIN_S = 0.25
+#: the code a put held for a remount is answered with once its hold ran out
+AWAITING_REMOUNT = ErrorCode.REPLICA_IS_NOT_READY
+
+
+@dataclass(frozen=True)
+class Hold:
+    """How long an allocating call (PutStart, Reserve) may wait for segments awaiting
+    their remount: until `until` (monotonic), and only while `caller_gone()` is False."""
+
+    until: float
+    caller_gone: Callable[[], bool] = lambda: False
+
+    @classmethod
+    def for_deadline(cls, left: float | None,
+                     caller_gone: Callable[[], bool] = lambda: False) -> Hold:
+        """A hold that ends before a caller's deadline `left` s from now (None: not known,
+        REMOUNT_HOLD_S)."""
+        if left is None:
+            return cls(time.monotonic() + REMOUNT_HOLD_S, caller_gone)
+        return cls(time.monotonic() + max(0.0, left - min(HOLD_MARGIN_S, left / 10)),
+                   caller_gone)
+
+
+def awaiting_remount_text(awaiting: int, total: int) -> str:
+    """Why a held put failed, in words."""
+    return (f"segments awaiting remount after a master switch or restart ({awaiting} of "
+            f"{total}); their holders remount within a heartbeat: retry")
+
+
+@dataclass
+class _Allocation:
+    """One PutStart or Reserve being served, in rounds (`StoreCalls._rounds`):
+    `run(todo)` asks the store for the items at indices `todo` and returns their results;
+    `no_room(result)` is True for a result a remount could change; `give_up(result,
+    text)` is the answer for one held past its hold; `reply(results)` the reply."""
+
+    method: str
+    count: int
+    run: Callable[[list[int]], list[Any]]
+    no_room: Callable[[Any], bool]
+    give_up: Callable[[Any, str], Any]
+    reply: Callable[[list[Any]], Any]
 
 
 class StoreCalls:
@@ -59,6 +112,9 @@ class StoreCalls:
     CACHE_WAITS = frozenset({"PutEnd", "Commit", "Remove", "UnmountSegment"})
     #: ... of which these always scan every key, persistent or not
     SCANS = frozenset({"RemoveByRegex", "RemoveAll", "ListKeys"})
+    #: methods held while segments await their remount and nothing else has room: they
+    #: take a `hold` (front ends pass their caller's deadline)
+    HOLDING = frozenset({"PutStart", "Reserve"})
 
     def __init__(self, store: ObjectStore) -> None:
         self._fence_until = 0.0
@@ -137,7 +193,104 @@ class StoreCalls:
                                         client_ttl_ms=result.client_ttl_ms,
                                         fast_port=self.fast_port)
 
-    def put_start(self, request: store_pb2.PutStartRequest) -> store_pb2.PutStartReply:
+    # -- allocating calls, held across a remount ----------------------------------------
+
+    def _rounds(self, job: _Allocation, hold: Hold,
+                ) -> Generator[tuple[Any, ...], Any, list[Any]]:
+        """Serve `job` in rounds: run it; while some items found no room and segments
+        await their owners' remount (a master switch or restart: their space is the
+        pool's), wait for the segments to change and run those items again, until
+        `hold` ends. Yields ("run", todo), to be sent the results, and ("wait", store,
+        version, seconds); returns the results. An item still without room when the hold
+        ends is answered with `job.give_up` (AWAITING_REMOUNT and why); once no segment
+        awaits a remount, NO_AVAILABLE_HANDLE stands (the pool is full)."""
+        results: list[Any] = [None] * job.count
+        todo = list(range(job.count))
+        held = False
+        while True:
+            store = self.store
+            version = store.segments_version()
+            got = yield ("run", todo)
+            for index, result in zip(todo, got, strict=True):
+                results[index] = result
+            todo = [index for index in todo if job.no_room(results[index])]
+            if not todo:
+                break
+            awaiting, total = store.remount_pending()
+            if not awaiting:
+                break
+            left = hold.until - time.monotonic()
+            if left <= 0 or hold.caller_gone():
+                text = awaiting_remount_text(awaiting, total)
+                for index in todo:
+                    results[index] = job.give_up(results[index], text)
+                store.count_remount_hold(timed_out=True)
+                log.warning("%s of %d item(s) failed: %s", job.method, len(todo), text)
+                break
+            if not held:
+                held = True
+                store.count_remount_hold(timed_out=False)
+                log.info("%s of %d item(s) held: no room while %d of %d segment(s) await "
+                         "their remount (up to %.2f s)", job.method, len(todo), awaiting,
+                         total, left)
+            yield ("wait", store, version, left)
+            if hold.caller_gone():  # nobody reads the answer: allocate nothing more
+                break
+        return results
+
+    def _serve(self, job: _Allocation, hold: Hold | None) -> Any:
+        """`job` to its reply, on this thread (it may wait: fence, disk, a remount)."""
+        self._wait_fence()
+        rounds = self._rounds(job, hold or Hold.for_deadline(None))
+        try:
+            step = next(rounds)
+            while True:
+                if step[0] == "run":
+                    step = rounds.send(job.run(step[1]))
+                else:
+                    _, store, version, left = step
+                    store.wait_segments_changed(version, left)
+                    step = next(rounds)
+        except StopIteration as done:
+            return job.reply(done.value)
+
+    async def serve_async(self, method: str, request: Any, hold: Hold) -> Any:
+        """A HOLDING method's reply on the event loop: its store calls run inline or in a
+        worker thread as `blocks` says, and its waits (the fence, a remount) are awaited,
+        so a held call occupies no thread."""
+        job = self._allocation(method, request)
+        if not isinstance(job, _Allocation):
+            return job  # refused before reaching the store
+        fence = self.fence_left()
+        if fence:
+            await asyncio.sleep(fence)
+        rounds = self._rounds(job, hold)
+        try:
+            step = next(rounds)
+            while True:
+                if step[0] == "run":
+                    todo = step[1]
+                    got = (await asyncio.to_thread(job.run, todo)
+                           if self.store.persistent else job.run(todo))
+                    step = rounds.send(got)
+                else:
+                    _, store, version, left = step
+                    await _segments_changed(store, version, left)
+                    step = next(rounds)
+        except StopIteration as done:
+            return job.reply(done.value)
+
+    def _allocation(self, method: str, request: Any) -> _Allocation | Any:
+        """The job serving `request` (a HOLDING method's), or its reply when the request
+        is refused before reaching the store."""
+        if method == "PutStart":
+            return self._put_start_job(request)
+        if method == "Reserve":
+            return self._reserve_job(request)
+        raise ValueError(f"{method} is not an allocating call")
+
+    def _put_start_job(self, request: store_pb2.PutStartRequest,
+                       ) -> _Allocation | store_pb2.PutStartReply:
         items = [(item.key, item.value_length) for item in request.items]
         try:
             config = replica_config_from_pb(request.config)
@@ -146,14 +299,28 @@ class StoreCalls:
             self._tally("PutStart", (ErrorCode.INVALID_PARAMS for _ in items))
             return store_pb2.PutStartReply(results=[
                 store_pb2.PutStartResult(code=ErrorCode.INVALID_PARAMS) for _ in items])
-        self._wait_fence()
-        results = self.store.put_start(request.client_id, items, config,
-                                       node_id=request.node_id, upsert=request.upsert)
-        self._tally("PutStart", (r.code for r in results))
-        return store_pb2.PutStartReply(results=[
-            store_pb2.PutStartResult(code=r.code, put_id=r.put_id,
-                                     replicas=[replica_to_pb(p) for p in r.replicas])
-            for r in results])
+
+        def run(todo: list[int]) -> list[Any]:
+            return self.store.put_start(request.client_id, [items[i] for i in todo], config,
+                                        node_id=request.node_id, upsert=request.upsert)
+
+        def reply(results: list[PutStartResult]) -> store_pb2.PutStartReply:
+            self._tally("PutStart", (r.code for r in results))
+            return store_pb2.PutStartReply(results=[
+                store_pb2.PutStartResult(code=r.code, put_id=r.put_id,
+                                         replicas=[replica_to_pb(p) for p in r.replicas])
+                for r in results])
+
+        return _Allocation("PutStart", len(items), run,
+                           lambda r: r.code == ErrorCode.NO_AVAILABLE_HANDLE,
+                           lambda r, text: PutStartResult(AWAITING_REMOUNT), reply)
+
+    def put_start(self, request: store_pb2.PutStartRequest, hold: Hold | None = None,
+                  ) -> store_pb2.PutStartReply:
+        """`hold`: how long items finding no room may wait for segments awaiting their
+        remount (None: REMOUNT_HOLD_S)."""
+        job = self._put_start_job(request)
+        return self._serve(job, hold) if isinstance(job, _Allocation) else job
 
     def put_end(self, request: store_pb2.PutEndRequest) -> store_pb2.CodesReply:
         codes = self.store.put_end(request.client_id,
@@ -162,21 +329,40 @@ class StoreCalls:
         self._tally("PutEnd", codes)
         return store_pb2.CodesReply(codes=codes)
 
-    def reserve(self, request: store_pb2.ReserveRequest) -> store_pb2.ReserveReply:
+    def _reserve_job(self, request: store_pb2.ReserveRequest,
+                     ) -> _Allocation | store_pb2.ReserveReply:
         try:
             config = replica_config_from_pb(request.config)
         except ParamInvalid as exc:
             self._tally("Reserve", (ErrorCode.INVALID_PARAMS,))
             return store_pb2.ReserveReply(code=ErrorCode.INVALID_PARAMS, message=str(exc))
-        self._wait_fence()
-        result = self.store.reserve(request.client_id, config, node_id=request.node_id,
-                                    want_bytes=request.bytes, release=list(request.release))
-        self._tally("Reserve", (result.code,))
-        return store_pb2.ReserveReply(
-            code=result.code, message=result.message, lease_ttl_ms=result.lease_ttl_ms,
-            reservations=[store_pb2.Reservation(reservation_id=r.reservation_id,
-                                                space=replica_to_pb(r.space))
-                          for r in result.reservations])
+        release = list(request.release)
+
+        def run(todo: list[int]) -> list[Any]:
+            result = self.store.reserve(request.client_id, config, node_id=request.node_id,
+                                        want_bytes=request.bytes, release=release)
+            release.clear()  # released in the first round
+            return [result]
+
+        def reply(results: list[ReserveResult]) -> store_pb2.ReserveReply:
+            [result] = results
+            self._tally("Reserve", (result.code,))
+            return store_pb2.ReserveReply(
+                code=result.code, message=result.message, lease_ttl_ms=result.lease_ttl_ms,
+                reservations=[store_pb2.Reservation(reservation_id=r.reservation_id,
+                                                    space=replica_to_pb(r.space))
+                              for r in result.reservations])
+
+        return _Allocation("Reserve", 1, run,
+                           lambda r: r.code == ErrorCode.NO_AVAILABLE_HANDLE,
+                           lambda r, text: ReserveResult(AWAITING_REMOUNT, message=text),
+                           reply)
+
+    def reserve(self, request: store_pb2.ReserveRequest, hold: Hold | None = None,
+                ) -> store_pb2.ReserveReply:
+        """`hold` as put_start's."""
+        job = self._reserve_job(request)
+        return self._serve(job, hold) if isinstance(job, _Allocation) else job
 
     def commit(self, request: store_pb2.CommitRequest) -> store_pb2.CodesReply:
         try:
@@ -261,12 +447,35 @@ class StoreCalls:
             truncated=listing.truncated, keys=[key_info_to_pb(k) for k in listing.keys])
 
 
+async def _segments_changed(store: ObjectStore, version: int, timeout: float) -> None:
+    """Wait on the event loop until `store`'s segments changed since `version`, or
+    `timeout` s."""
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+
+    def wake() -> None:  # from the thread that changed them, under the store's lock
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(changed.set)
+
+    store.add_segment_listener(wake)
+    try:
+        if store.segments_version() == version:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), max(0.0, timeout))
+    finally:
+        store.remove_segment_listener(wake)
+
+
 def _rpc(name: str) -> Callable[..., Any]:
     """The servicer method for RPC `name`: StoreCalls' handler, on the event loop when it
-    cannot block, in a worker thread when it may (fsync, or a scan of every key)."""
+    cannot block, in a worker thread when it may (fsync, or a scan of every key). An
+    allocating call (HOLDING) is held on the event loop within its deadline."""
     async def serve(self: MasterServicer, request: Any,
                     context: grpc.aio.ServicerContext) -> Any:
         calls = self.calls
+        if name in calls.HOLDING:
+            return await calls.serve_async(name, request,
+                                           Hold.for_deadline(context.time_remaining()))
         handler = calls.handlers[name]
         if calls.blocks(name):
             return await asyncio.to_thread(handler, request)
@@ -362,5 +571,5 @@ def add_store_service(server: grpc.aio.Server, store: ObjectStore,
     return servicer
 
 
-__all__ = ["MasterServicer", "StoreCalls", "UPKEEP_EVERY_S", "add_store_service",
-           "upkeep_forever"]
+__all__ = ["AWAITING_REMOUNT", "Hold", "MasterServicer", "REMOUNT_HOLD_S", "StoreCalls",
+           "UPKEEP_EVERY_S", "add_store_service", "awaiting_remount_text", "upkeep_forever"]
