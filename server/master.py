@@ -949,7 +949,7 @@ def start_http(config: MasterConfig, registry: Registry, store: Callable[[], Obj
     started: list[Any] = []
     try:
         if config.metrics_port:
-            metrics = metrics_registry(registry, store, results, fast)
+            metrics = metrics_registry(registry, store, results, fast, leadership)
             add_mooncake_metrics(metrics, store)
             admin = HttpServer(admin_routes(store, metrics, health),
                                config.metrics_host or config.host,
@@ -981,13 +981,22 @@ async def report_metrics(store: Callable[[], ObjectStore]) -> None:
 
 def metrics_registry(registry: Registry, store: Callable[[], ObjectStore],
                      results: dict[tuple[str, int], int] | None = None,
-                     calls_server: StoreCallServer | None = None) -> CollectorRegistry:
-    """The master's own CollectorRegistry: the registry's table, the store (`store()`:
-    the one served now; a standby swaps it when it takes over) and its call endpoint."""
-    from hixl.server.metrics import registry_families, store_call_families, store_families
+                     calls_server: StoreCallServer | None = None,
+                     leadership: Leadership | None = None) -> CollectorRegistry:
+    """The master's own CollectorRegistry: its role (`leadership`; None: a single master,
+    always the leader), the registry's table, the store (`store()`: the one served now; a
+    standby swaps it when it takes over) and its call endpoint."""
+    from hixl.server.metrics import (
+        master_families,
+        registry_families,
+        store_call_families,
+        store_families,
+    )
 
     def families() -> list[Any]:
-        found = [*registry_families(registry), *store_families(store(), results)]
+        leading = leadership is None or leadership.leading
+        found = [*master_families(leading), *registry_families(registry),
+                 *store_families(store(), results)]
         if calls_server is not None:
             found += store_call_families(calls_server)
         return found

@@ -195,6 +195,9 @@ _STORE_GAUGES = (  # stats() key, metric name, help
      "1 - largest free block / free bytes, over the live segments."),
     ("retired_bytes", "hixl_store_retired_bytes",
      "Bytes freed but held until a read lease ends."),
+    ("puts_held_for_remount", "hixl_store_puts_held_for_remount",
+     "PutStart / Reserve calls waiting now for segments awaiting their remount (a master "
+     "switch or restart) because nothing else has room."),
 )
 _STORE_COUNTERS = (  # stats() key, metric name, help
     ("puts", "hixl_store_puts_committed", "Values committed (PutEnd)."),
@@ -204,7 +207,20 @@ _STORE_COUNTERS = (  # stats() key, metric name, help
     ("preempted_puts", "hixl_store_preempted_puts", "Unfinished puts pre-empted by a new put."),
     ("released_puts", "hixl_store_released_puts",
      "Unfinished puts whose space was reclaimed."),
+    ("remount_holds", "hixl_store_remount_holds",
+     "PutStart / Reserve calls held for segments awaiting their remount."),
+    ("remount_hold_timeouts", "hixl_store_remount_hold_timeouts",
+     "Held calls whose hold ran out before the remount (answered REPLICA_IS_NOT_READY)."),
 )
+
+
+def master_families(leading: bool) -> list[Metric]:
+    """The master's role: 1 while it leads and serves (a single master without etcd
+    always does), 0 while it stands by, is elected but still loading, or was deposed."""
+    return [gauge("hixl_master_is_leader",
+                  "1 while this hixl-master leads and serves the store and registry, 0 "
+                  "while it stands by (or was deposed): no master at 1 means no leader.",
+                  (), [((), 1.0 if leading else 0.0)])]
 
 
 def store_families(store: ObjectStore, results: dict[tuple[str, int], int] | None = None,
@@ -244,4 +260,5 @@ def store_families(store: ObjectStore, results: dict[tuple[str, int], int] | Non
     return families
 
 
-__all__ = ["agent_families", "registry_families", "store_call_families", "store_families"]
+__all__ = ["agent_families", "master_families", "registry_families", "store_call_families",
+           "store_families"]

@@ -17,6 +17,7 @@ from conftest import TEST_STATE_DIR
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hixl.server.config import AgentConfig
+from hixl.server.leadership import Leadership
 from hixl.server.master import MasterConfig, ObjectStore, metrics_registry
 from hixl.server.registry import Registry
 from hixl.server.runtime import AgentServer
@@ -55,6 +56,32 @@ def exported() -> Iterator[set[str]]:
     names |= _sample_names(metrics_registry(Registry(), lambda: store,
                                             {("PutStart", 0): 1}))
     yield names
+
+
+def _is_leader(leadership: Leadership | None) -> float:
+    store = ObjectStore(MasterConfig().store.options())
+    metrics = metrics_registry(Registry(), lambda: store, leadership=leadership)
+    value = metrics.get_sample_value("hixl_master_is_leader")
+    assert value is not None
+    return value
+
+
+def test_the_no_leader_alert_reads_each_masters_own_role() -> None:
+    """hixl_master_is_leader: 1 for a single master and for the leader, 0 for a standby
+    (elected or not) and a deposed one; the "no leader" alert and the dashboard use it."""
+    assert _is_leader(None) == 1.0
+    leadership = Leadership("127.0.0.1:50051")
+    assert _is_leader(leadership) == 0.0   # a standby
+    leadership.observed("127.0.0.1:50051")
+    assert _is_leader(leadership) == 0.0   # elected, still loading the store
+    leadership.lead()
+    assert _is_leader(leadership) == 1.0
+    leadership.depose("lost the election lease")
+    assert _is_leader(leadership) == 0.0
+    rules = {rule["alert"]: rule["expr"] for group in yaml.safe_load(
+        ALERTS.read_text(encoding="utf-8"))["groups"] for rule in group["rules"]}
+    assert "hixl_master_is_leader" in rules["HixlNoLeader"]
+    assert "hixl_master_is_leader" in " ".join(_dashboard_exprs())
 
 
 def _dashboard_exprs() -> list[str]:
