@@ -55,6 +55,7 @@ from hixl.metrics import (
     traffic_families,
 )
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM, EngineOptions
+from hixl.staging import DeviceCopier, DevicePaths, StagingConfig
 from hixl.table import MAX_ADDRESS, AddressTable, check_range
 from hixl.tls import ClientTLS, TlsSetting, client_tls
 from hixl.transports.base import Item, Runs, Transport
@@ -342,6 +343,7 @@ class MemHandle:
     keepalive: Any = field(repr=False)
     segment: SegmentInfo | None = None  # set when this engine serves the memory to peers
     registered: bool = True
+    copier: Any = field(default=None, repr=False)  # device memory: the DeviceCopier moving it
 
 
 @dataclass
@@ -426,7 +428,9 @@ class Engine:
 
     def __init__(self, local_engine: str, options: MappingABC[str, str] | None = None, *,
                  agent_config: Any | None = None, registry: str | None = None,
-                 cluster_token: str | bytes | None = None, tls: TlsSetting = None) -> None:
+                 cluster_token: str | bytes | None = None, tls: TlsSetting = None,
+                 device_copier: DeviceCopier | None = None,
+                 staging: StagingConfig | None = None) -> None:
         """`cluster_token`: proves this engine to agents that require one (and is required
         by its embedded agent); None takes agent_config.cluster_token_file, else
         $HIXL_CLUSTER_TOKEN or the file $HIXL_CLUSTER_TOKEN_FILE names, else none.
@@ -435,7 +439,12 @@ class Engine:
         a ClientTLS, False for plaintext, None for agent_config's tls_* keys, else the
         HIXL_TLS_* environment (a CA there: TLS). The embedded agent serves TLS per its
         config (tls_cert_file/tls_key_file, else $HIXL_TLS_CERT_FILE/$HIXL_TLS_KEY_FILE).
-        The data path is not encrypted."""
+        The data path is not encrypted.
+
+        `device_copier`: moves every device-memory registration (hixl.staging; the tests'
+        HostStandIn, or one CudaCopier); None: CUDA memory gets its device's CudaCopier.
+        `staging`: the staging ring of device memory on the socket path (slots x
+        slot_bytes, 4 x 4 MiB by default), per device; freed by close."""
         self.options = EngineOptions.parse(options)
         self._cluster_token = as_token(cluster_token) if cluster_token is not None else \
             load_token(getattr(agent_config, "cluster_token_file", "") or None)
@@ -462,6 +471,8 @@ class Engine:
         #: direction (see metrics_collector); counted once per call, never per op
         self.traffic = TrafficTable(PATHS)
         self._metrics: Any | None = None  # the MetricsServer of start_metrics_server
+        self._device = DevicePaths(staging, device_copier)  # device memory's copiers, rings
+        self._device_count = 0  # device registrations now: their ops take _move_device
         if self.registry:
             from hixl.client.global_table import GlobalTable
 
@@ -517,6 +528,7 @@ class Engine:
             self._release(handle)
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        self._device.close()
         if self._metrics is not None:
             self._metrics.close()
         if self._server is not None:
@@ -585,6 +597,10 @@ class Engine:
         a range overlapping another registration is refused. `allowed_engines`: the
         engines that may reach it through this engine's embedded agent, on every path
         (empty: every engine; None: malloc's list for its memory, else every engine).
+
+        Device memory (a CUDA tensor or pointer, or MEM_DEVICE) is the local side of
+        transfers only, moved by its device copier (`_register_device`); without one it
+        is refused (Unsupported, naming it), never copied as host memory.
         """
         self._check_open()
         allowed = None if allowed_engines is None else check_allowed_engines(allowed_engines)
@@ -592,22 +608,22 @@ class Engine:
             mem_type = MemType(mem_type)
         except ValueError:
             raise ParamInvalid(f"mem_type must be MemType.MEM_HOST or MEM_DEVICE, got {mem_type!r}") from None
-        if mem_type == MemType.MEM_DEVICE:
-            raise Unsupported("MEM_DEVICE registration needs an accelerator backend; "
-                              "register host memory with MemType.MEM_HOST")
         perms = Perm.parse(perms) if isinstance(perms, str) else Perm(perms)
         if isinstance(memory, int) and not isinstance(memory, bool):
             if length is None:
                 raise ParamInvalid("register(addr, length): a raw address needs a length")
             check_range(memory, length, "local memory")
-            # a GPU KV cache registered by data_ptr(): refused here, not a crash in a copy
-            device.require_host(device.locate_address(memory),
-                                f"local memory [{memory:#x}, +{length})")
+            # a GPU KV cache registered by data_ptr(): its copier's, never a host memmove
+            placement = device.locate_address(memory)
+            if mem_type == MemType.MEM_DEVICE or not placement.is_host:
+                return self._register_device(memory, length, placement,
+                                             f"local memory [{memory:#x}, +{length})")
             buf = BufferRange(memory, length, False, None)
         else:
-            placement = device.locate_object(memory)
-            if placement is not None:
-                device.require_host(placement, f"the {type(memory).__name__} to register")
+            found = device.locate_object(memory)
+            if mem_type == MemType.MEM_DEVICE or (found is not None and not found.is_host):
+                return self._register_device(memory, length, found,
+                                             f"the {type(memory).__name__} to register")
             buf = buffer_range(memory)
             if length is not None and length != buf.length:
                 raise ParamInvalid(f"length {length} does not match the buffer's {buf.length} bytes")
@@ -632,6 +648,35 @@ class Engine:
                 self._local.remove(buf.addr)
                 raise
             self._handles[(buf.addr, buf.length)] = handle
+            return handle
+
+    def _register_device(self, memory: Any, length: int | None,
+                         placement: device.Placement | None, what: str) -> MemHandle:
+        """Register device memory (or host memory standing in for it, with a given
+        copier): its copier is chosen now (Unsupported without one; ParamInvalid for a
+        device other than the copier's), its range checked live on the device. It is the
+        local side of transfers only: peers cannot target it (agents serve host memory)."""
+        copier = self._device.copier_for(placement, what)
+        if isinstance(memory, int) and not isinstance(memory, bool):
+            addr, nbytes, keepalive = memory, int(length or 0), None
+        elif placement is not None and not placement.is_host:
+            addr, nbytes = device.device_range(memory)
+            keepalive = memory
+        else:
+            buf = buffer_range(memory)
+            addr, nbytes, keepalive = buf.addr, buf.length, buf.keepalive
+        if length is not None and length != nbytes:
+            raise ParamInvalid(f"length {length} does not match the buffer's {nbytes} bytes")
+        check_range(addr, nbytes, "local memory")
+        copier.check_range(addr, nbytes, what)
+        with self._lock:
+            existing = self._handles.get((addr, nbytes))
+            if existing is not None:
+                return existing
+            handle = MemHandle(addr, nbytes, MemType.MEM_DEVICE, False, keepalive, copier=copier)
+            self._local.insert(addr, nbytes, handle)
+            self._handles[(addr, nbytes)] = handle
+            self._device_count += 1
             return handle
 
     def _malloced_containing(self, addr: int, length: int) -> ShmSegment | None:
@@ -666,6 +711,8 @@ class Engine:
             self._local_hint = (0, 0, False)
             if self._local.get(handle.addr) is handle:
                 self._local.remove(handle.addr)
+            if handle.registered and handle.copier is not None:
+                self._device_count -= 1
             handle.registered = False
         if handle.segment is not None and self._server is not None:
             try:
@@ -1026,12 +1073,15 @@ class Engine:
         if op is not _WRITE and op is not _READ:
             op = _check_op(op)
         arrays = _desc_arrays(descs) if (type(descs) is list or type(descs) is tuple) and \
-            len(descs) >= ARRAY_MIN_OPS else None
+            len(descs) >= ARRAY_MIN_OPS and not self._device_count else None
         if arrays is not None:  # a long list: checked and copied as arrays (one mechanism)
             runs, socket_items, nbytes = self._resolve_arrays(peer, op, arrays, local_registered)
             self._move(peer, op, runs, socket_items, nbytes, start, deadline)
             return
         fabric_items, socket_items, nbytes = self._resolve(peer, op, descs, local_registered)
+        if self._device_count:  # device memory registered: _move sends its ops its own way
+            self._move(peer, op, fabric_items, socket_items, nbytes, start, deadline)
+            return
         # _move, inlined: this is the per-call overhead a 1 MiB fabric copy (~23 µs) pays
         if fabric_items:
             try:
@@ -1083,7 +1133,13 @@ class Engine:
         deadline = self._deadline(timeout)
         peer = self._peers.get(remote) or self._peer(remote)
         op = _check_op(op)
-        runs, socket_items, nbytes = self._resolve_arrays(peer, op, ops, local_registered)
+        runs: Runs | list[Item] | None
+        if self._device_count and local_registered:  # device ops are resolved as items
+            runs, socket_items, nbytes = self._resolve(
+                peer, op, list(zip(ops.local.tolist(), ops.remote.tolist(), ops.sizes.tolist(),
+                                   strict=True)))
+        else:
+            runs, socket_items, nbytes = self._resolve_arrays(peer, op, ops, local_registered)
         if not wait:
             return self._launch(peer, op, runs, socket_items, nbytes, start, deadline, remote)
         self._move(peer, op, runs, socket_items, nbytes, start, deadline)
@@ -1100,7 +1156,12 @@ class Engine:
 
     def _move(self, peer: _Peer, op: TransferOp, fabric_items: list[Item] | Runs | None,
               socket_items: list[Item], nbytes: int, start: float, deadline: float) -> None:
-        """Move the resolved items (`transfer`'s second half; async calls run it later)."""
+        """Move the resolved items (`transfer`'s second half; async calls run it later).
+        Ops on registered device memory are split off first (and their memory checked
+        still as registered), then moved by `_move_device` after the host ops."""
+        groups: dict[int, tuple[Any, list[Item], list[Item]]] = {}
+        if self._device_count:
+            fabric_items, socket_items, groups = self._device_split(fabric_items, socket_items)
         if fabric_items:
             assert peer.fabric is not None and peer.fabric_traffic is not None
             try:
@@ -1118,7 +1179,91 @@ class Engine:
             except Exception as exc:
                 _failed(peer, peer.socket_traffic[op], exc)
                 raise
+        if groups:
+            fabric_items, socket_items = self._move_device(peer, op, fabric_items, socket_items,
+                                                           groups, deadline)
         _account(peer, op, fabric_items or [], socket_items, nbytes, start)
+
+    def _device_split(self, fabric_items: list[Item] | Runs | None, socket_items: list[Item]
+                      ) -> tuple[list[Item] | Runs | None, list[Item],
+                                 dict[int, tuple[Any, list[Item], list[Item]]]]:
+        """(host fabric items, host socket items, device ops by copier: (copier, mapped
+        path items, socket path items)). Each device registration used is checked first:
+        a tensor resized or moved since, or memory its device no longer holds, is a typed
+        error before any byte of the call moves. A Runs batch is host memory only (device
+        registrations send batches through `_resolve`)."""
+        groups: dict[int, tuple[Any, list[Item], list[Item]]] = {}
+        checked: set[int] = set()
+        split: list[list[Item]] = []
+        for which, items in enumerate((fabric_items, socket_items)):
+            if not items or type(items) is Runs:
+                split.append(items)  # type: ignore[arg-type]
+                continue
+            host: list[Item] = []
+            for item in items:  # type: ignore[union-attr]
+                hit = self._local.lookup(item.local_addr)
+                handle = hit[2] if hit is not None else None
+                if handle is None or handle.copier is None:
+                    host.append(item)
+                    continue
+                if id(handle) not in checked:
+                    self._check_device(handle, item.index)
+                    checked.add(id(handle))
+                group = groups.get(id(handle.copier))
+                if group is None:
+                    group = groups[id(handle.copier)] = (handle.copier, [], [])
+                group[1 + which].append(item)
+            split.append(host)
+        return split[0], split[1], groups
+
+    @staticmethod
+    def _check_device(handle: MemHandle, index: int) -> None:
+        """Device memory still as registered: a registered tensor still at the same
+        address with at least its bytes (resize_ moves it), and the range still live on
+        its device (the copier asks the driver)."""
+        what = f"op {index}: the device memory registered at [{handle.addr:#x}, +{handle.length})"
+        tensor = handle.keepalive
+        if callable(getattr(tensor, "data_ptr", None)) and hasattr(tensor, "element_size"):
+            addr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+            if addr != handle.addr or nbytes < handle.length or not tensor.is_contiguous():
+                raise ParamInvalid(
+                    f"{what}: its tensor was resized or moved after registration (now "
+                    f"[{addr:#x}, +{nbytes})); deregister it and register the tensor again",
+                    failed=[index])
+        try:
+            handle.copier.check_range(handle.addr, handle.length, what)
+        except HixlError as exc:
+            exc.failed = [index]
+            raise
+
+    def _move_device(self, peer: _Peer, op: TransferOp, fabric_items: list[Item] | Runs | None,
+                     socket_items: list[Item],
+                     groups: dict[int, tuple[Any, list[Item], list[Item]]], deadline: float
+                     ) -> tuple[list[Item] | Runs, list[Item]]:
+        """Device ops: on the mapped path, one device copy per op into/out of the peer's
+        mapping (FabricTransport.transfer_device); on the socket path, through the
+        copier's staging ring (hixl.staging.staged_transfer). Returns every op of the
+        call per path, for the traffic counters."""
+        all_fabric: list[Item] | Runs = fabric_items or []
+        all_socket = list(socket_items)
+        for copier, mapped, streamed in groups.values():
+            if mapped:
+                assert peer.fabric is not None and peer.fabric_traffic is not None
+                try:
+                    peer.fabric.transfer_device(op, mapped, deadline, copier)
+                except Exception as exc:
+                    _failed(peer, peer.fabric_traffic[op], exc)
+                    raise
+                all_fabric = list(all_fabric) + mapped  # type: ignore[arg-type]
+            if streamed:
+                assert peer.socket_traffic is not None
+                try:
+                    self._device.staged(self._socket(peer), op, streamed, copier, deadline)
+                except Exception as exc:
+                    _failed(peer, peer.socket_traffic[op], exc)
+                    raise
+                all_socket += streamed
+        return all_fabric, all_socket
 
     @staticmethod
     def _deadline(timeout: float) -> float:

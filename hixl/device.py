@@ -12,6 +12,9 @@ CUDA allocation can exist here. Objects say where they live themselves: torch te
 (`.device`), `__cuda_array_interface__` (CuPy, Numba), `__dlpack_device__` (DLPack). Other
 accelerators fit the same shape: a driver probe for raw addresses and a device type for
 objects.
+
+Device memory that a device copier serves (hixl.staging: CUDA, or the host stand-in of the
+tests) is registered by its range (`device_range`) and moved only through that copier.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hixl.errors import Unsupported
+from hixl.errors import ParamInvalid, Unsupported
 
 _CUDA_DRIVER = "libcuda.so.1"
 _CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
@@ -88,8 +91,14 @@ def locate_object(obj: Any) -> Placement | None:
             return HOST
         index = getattr(device, "index", None)
         return Placement(f"{kind}:{index}" if index is not None else str(kind))
-    if hasattr(obj, "__cuda_array_interface__"):
-        return Placement("cuda")
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    if interface is not None:  # its device: the driver's answer for its pointer, if loaded
+        try:
+            placement = locate_address(int(interface["data"][0])) if _driver is not None \
+                else HOST
+        except (KeyError, TypeError, ValueError, IndexError):
+            placement = HOST
+        return placement if not placement.is_host else Placement("cuda")
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if callable(dlpack_device):
         try:
@@ -103,10 +112,52 @@ def locate_object(obj: Any) -> Placement | None:
     return None
 
 
+def device_range(obj: Any) -> tuple[int, int]:
+    """(address, bytes) of a device array object: a torch tensor, or an object with
+    `__cuda_array_interface__` (CuPy, Numba). A non-contiguous one is refused
+    (ParamInvalid): its bytes are not one range. Other DLPack device objects are refused
+    (Unsupported) with the way round: torch.from_dlpack(obj), or (address, length)."""
+    if callable(getattr(obj, "data_ptr", None)) and hasattr(obj, "element_size"):
+        if not obj.is_contiguous():
+            raise ParamInvalid(f"the {obj.device} tensor is not contiguous (shape "
+                               f"{tuple(obj.shape)}, strides {tuple(obj.stride())}): its bytes "
+                               "are not one range; register tensor.contiguous() instead")
+        return int(obj.data_ptr()), int(obj.numel() * obj.element_size())
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    if isinstance(interface, dict):
+        shape = tuple(interface.get("shape", ()))
+        itemsize = int(str(interface.get("typestr", "|u1"))[2:] or 1)
+        count = 1
+        for extent in shape:
+            count *= int(extent)
+        strides = interface.get("strides")
+        if strides is not None:
+            expected, contiguous = itemsize, True
+            for extent, stride in zip(reversed(shape), reversed(tuple(strides)), strict=True):
+                if extent > 1 and stride != expected:
+                    contiguous = False
+                expected *= extent
+            if not contiguous:
+                raise ParamInvalid(f"the {type(obj).__name__} is not C-contiguous (strides "
+                                   f"{tuple(strides)}): its bytes are not one range")
+        return int(interface["data"][0]), count * itemsize
+    raise Unsupported(f"the {type(obj).__name__} says it lives on a device but exposes no "
+                      "device pointer hixl reads (torch tensor, __cuda_array_interface__); "
+                      "register torch.from_dlpack(obj), or its (address, length)")
+
+
+def same_device(placement: Placement, device: str) -> bool:
+    """Whether memory at `placement` is on `device` ("cuda" without an index: any CUDA
+    device, its index unknown)."""
+    return placement.device == device or (
+        ":" not in placement.device and device.startswith(placement.device + ":"))
+
+
 def require_host(placement: Placement, what: str) -> None:
     """Raise Unsupported, naming `what` and the device, for memory the CPU cannot copy."""
     if not placement.is_host:
         raise Unsupported(
-            f"{what} is {placement.device} device memory: this build moves host memory only "
-            "(no device path is available); register host memory (e.g. a pinned host "
-            "buffer, tensor.cpu()) instead")
+            f"{what} is {placement.device} device memory, and no device copier serves it "
+            "here (CUDA memory needs the CUDA driver loaded in this process; other "
+            "accelerators have no device path yet); register host memory (e.g. a pinned "
+            "host buffer, tensor.cpu()) instead")

@@ -19,6 +19,12 @@ whose owner died is reported FAILED, not silently lost.
 Mappings are never unmapped under a running copy: each transfer holds the mappings it
 uses, and `close` (disconnect) or a remap (new epoch) only drops this transport's
 references; the kernel mapping goes with the last one, when the last copy using it ends.
+
+Device memory as the local side (`transfer_device`, issue 21): each mapping a device copy
+uses is host-registered with that device's copier once (a `_Pin`, holding the mapping),
+then every op is one asynchronous copy between device memory and the mapping. A pin is
+retired with its mapping (withdrawn segment, remap, close) and unregistered once no
+device copy uses it -- always before the mapping it holds can be unmapped.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, TransferTimeout
-from hixl.memory import FdGrant, Mapping, Move, copy_arrays, copy_moves
+from hixl.memory import FdGrant, Mapping, Move, copy_arrays, copy_moves, round_up
 from hixl.segment_states import StateView
 from hixl.transports.base import Item, Runs, Transport
 from hixl.types import Perm, SegmentInfo, TransferOp
@@ -49,6 +55,19 @@ class _Mapped(NamedTuple):
     delta: int
     slot: int
     mapping: Mapping
+
+
+class _Pin:
+    """A mapping host-registered with a device copier; `users` device transfers use it."""
+
+    __slots__ = ("mapping", "copier", "registered", "users", "retired")
+
+    def __init__(self, mapping: Mapping, copier: Any, registered: bool) -> None:
+        self.mapping: Mapping | None = mapping  # held: never unmapped while registered
+        self.copier = copier
+        self.registered = registered
+        self.users = 0
+        self.retired = False
 
 
 class FabricTransport(Transport):
@@ -67,6 +86,7 @@ class FabricTransport(Transport):
         self._states: StateView | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._pins: dict[tuple[int, int], _Pin] = {}  # (segment id, id(copier)) -> its pin
 
     def mapped(self, segment: SegmentInfo) -> _Mapped:
         """The mapping of `segment`, made on first use (one fd fetch, one mmap of the
@@ -85,6 +105,7 @@ class FabricTransport(Transport):
         with self._lock:
             if self._mappings.get(hit.segment.segment_id) is hit:
                 del self._mappings[hit.segment.segment_id]
+            self._retire_pins(hit.segment.segment_id)
 
     def _map(self, segment: SegmentInfo) -> _Mapped:
         with self._lock:
@@ -108,6 +129,7 @@ class FabricTransport(Transport):
             finally:
                 os.close(grant.fd)
             # a remap (new epoch) only drops the old mapping: a copy still using it keeps it
+            self._retire_pins(segment.segment_id)
             hit = _Mapped(segment, mapping.addr + grant.offset - start - segment.base,
                           grant.slot, mapping)
             self._mappings[segment.segment_id] = hit
@@ -199,7 +221,106 @@ class FabricTransport(Transport):
                 "the bytes did not reach a live segment", failed=failed())
 
     def close(self) -> None:
-        """Later transfers raise NotConnected; mappings go when no copy uses them."""
+        """Later transfers raise NotConnected; mappings go when no copy uses them (host
+        registrations of device copiers first)."""
         with self._lock:
             self._closed = True
             self._mappings = {}
+            for key in list(self._pins):
+                self._retire(self._pins.pop(key))
+
+    # ------------------------------------------------------------ device memory
+
+    def transfer_device(self, op: TransferOp, items: Sequence[Item], deadline: float,
+                        copier: Any) -> None:
+        """D2rH (WRITE) / rH2D (READ): `items`' local addresses are device memory served by
+        `copier` (hixl.staging.DeviceCopier). Each segment is mapped and host-registered
+        with the copier once; each op is one asynchronous copy between the device and
+        the mapping; the call returns when the copier's event after the last one is
+        reached, then checks liveness as `transfer` does. Mappings and registrations are
+        held until every copy queued here is done, also when waiting fails."""
+        if self._closed:
+            raise NotConnected(f"fabric path to {self._peer} is closed")
+
+        def failed() -> list[int]:
+            return [it.index for it in items]
+
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"fabric transfer with {self._peer} passed its deadline",
+                                  failed=failed())
+        used: dict[int, _Mapped] = {}
+        pins: list[_Pin] = []
+        queued = done = False
+        try:
+            for item in items:
+                segment_id = item.segment.segment_id
+                if segment_id not in used:
+                    hit = used[segment_id] = self.mapped(item.segment)
+                    pins.append(self._pin(hit, copier))
+            writing = op is _WRITE
+            queued = True
+            for item in items:
+                mapped = item.remote_addr + used[item.segment.segment_id].delta
+                if writing:
+                    copier.to_host(mapped, item.local_addr, item.length)
+                else:
+                    copier.to_device(item.local_addr, mapped, item.length)
+            copier.wait(copier.record(), deadline)
+            done = True
+        except HixlError as exc:
+            if not exc.failed:
+                exc.failed = failed()
+            raise
+        finally:
+            if queued and not done:  # never unregister or unmap under a queued copy
+                try:
+                    copier.wait(copier.record(), time.monotonic() + 60.0)
+                except HixlError as exc:
+                    # wedged copies: their pins stay held (registered, mapped) for good
+                    raise PeerUnavailable(f"device copies with {self._peer}'s mapped "
+                                          f"segments did not finish: {exc}",
+                                          failed=failed()) from exc
+            for pin in pins:
+                self._unpin(pin)
+        self._check_after(used, failed)
+
+    def _pin(self, hit: _Mapped, copier: Any) -> _Pin:
+        key = (hit.segment.segment_id, id(copier))
+        with self._lock:
+            if self._closed:
+                raise NotConnected(f"fabric path to {self._peer} is closed")
+            pin = self._pins.get(key)
+            if pin is not None and pin.mapping is not hit.mapping:
+                self._retire(self._pins.pop(key))  # a mapping of an earlier epoch
+                pin = None
+            if pin is None:
+                mapping = hit.mapping
+                registered = copier.host_register(mapping.addr, round_up(mapping.length),
+                                                  mapping.readonly)
+                pin = self._pins[key] = _Pin(mapping, copier, registered)
+            pin.users += 1
+            return pin
+
+    def _unpin(self, pin: _Pin) -> None:
+        with self._lock:
+            pin.users -= 1
+            if pin.retired and pin.users == 0:
+                self._unregister(pin)
+
+    def _retire_pins(self, segment_id: int) -> None:
+        """(lock held) The segment's mapping goes: so do its host registrations."""
+        for key in [key for key in self._pins if key[0] == segment_id]:
+            self._retire(self._pins.pop(key))
+
+    def _retire(self, pin: _Pin) -> None:
+        pin.retired = True
+        if pin.users == 0:
+            self._unregister(pin)
+
+    @staticmethod
+    def _unregister(pin: _Pin) -> None:
+        mapping, pin.mapping = pin.mapping, None
+        if pin.registered and mapping is not None:
+            pin.registered = False
+            pin.copier.host_unregister(mapping.addr)
+        del mapping  # the mapping may be unmapped from here on, never before

@@ -1,0 +1,376 @@
+"""Device memory as the local side, without a GPU (issue 21, items 2-4): the mapped path
+(one device copy per op into the peer's mapping, host-registered once) and the socket
+path (device -> bounded, reused staging ring -> socket, pipelined), both driven through
+`hixl.staging.HostStandIn`: host memory standing in for the device, every copy a real
+memmove on a copy thread of its own, like a stream. The peers are real agent processes;
+every byte is checked where it landed.
+
+Overlap is shown by the order of events, never by timing: the stand-in holds the copy of
+chunk i+1 until the send of chunk i has begun (PUT), or the copy of chunk i to the device
+until the receive of chunk i+1 has begun (GET). A pipeline that did one thing at a time
+could not finish: its copier would wait for the deadline, and the test would fail.
+
+What this cannot show: that CUDA's copies, streams, events, pinned staging and
+cuMemHostRegister behave as the stand-in does. tests/test_device_memory.py's GPU tests
+(scripts/gpu_check.sh) run the same paths on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hixl import Engine, HixlError, TransferOp, TransferOpDesc, TransferStatus
+from hixl.errors import NotConnected, ParamInvalid, TransferFailed, TransferTimeout
+from hixl.staging import HostStandIn, StagingConfig, plan_chunks
+from hixl.transports.base import Item
+from hixl.types import MemType, SegmentInfo
+
+KiB, MiB = 1 << 10, 1 << 20
+POOL = 16 * MiB
+SLOT = 64 * KiB
+SOCKET = {"EnableUseFabricMem": "0"}  # the socket path (TCP or the unix socket)
+GIVE_UP_S = 20.0  # guards against a hang only: no assertion depends on timing
+
+
+def kv_segment(engine: Engine, agent: str) -> SegmentInfo:
+    (segment,) = [s for s in engine.segments(agent) if s.name == "kv"]
+    return segment
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def remote_bytes(engine: Engine, agent: str, addr: int, nbytes: int) -> np.ndarray:
+    """What the remote segment holds, read over the host path into host memory."""
+    out = np.zeros(nbytes, np.uint8)
+    engine.register(out)
+    engine.read(agent, out, addr, timeout=GIVE_UP_S)
+    return out
+
+
+class Trace:
+    """The pipeline's events in order, and waits for one of them (copy-thread side)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self._cond = threading.Condition()
+        self.gave_up: list[str] = []
+
+    def __call__(self, event: str, chunk: int) -> None:
+        with self._cond:
+            self.events.append((event, chunk))
+            self._cond.notify_all()
+
+    def wait_for(self, event: str, chunk: int) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: (event, chunk) in self.events, GIVE_UP_S):
+                self.gave_up.append(f"{event} {chunk}")
+
+    def at(self, event: str, chunk: int) -> int:
+        return self.events.index((event, chunk))
+
+
+@pytest.fixture
+def agent(agent_process):
+    return agent_process(config={"pool": [{"name": "kv", "size": POOL}]})
+
+
+def standin_engine(copier: HostStandIn, options: dict[str, str] | None = None,
+                   slots: int = 2) -> Engine:
+    return Engine("127.0.0.1", options if options is not None else SOCKET, device_copier=copier,
+                  staging=StagingConfig(slot_bytes=SLOT, slots=slots))
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_ops_are_cut_and_packed_into_slot_sized_chunks() -> None:
+    seg: Any = object()  # carried through, never read by the plan
+    items = [Item(0, 0x1000, seg, 0x10000, 100), Item(1, 0x9000, seg, 0x20000, 250),
+             Item(2, 0x5000, seg, 0x30000, 10)]
+    chunks = plan_chunks(items, 128)
+    assert [[(p.index, p.device_addr, p.remote_addr, p.length, p.offset) for p in c]
+            for c in chunks] == [
+        [(0, 0x1000, 0x10000, 100, 0), (1, 0x9000, 0x20000, 28, 100)],
+        [(1, 0x9000 + 28, 0x20000 + 28, 128, 0)],
+        [(1, 0x9000 + 156, 0x20000 + 156, 94, 0), (2, 0x5000, 0x30000, 10, 94)]]
+    with pytest.raises(ParamInvalid, match="slots"):
+        StagingConfig(slots=1)
+
+
+# ---------------------------------------------------------------- the socket path
+
+
+def test_put_and_get_through_a_bounded_ring_reused_across_transfers(agent) -> None:
+    copier = HostStandIn()
+    nbytes = 1 * MiB + 4 * KiB + 17  # 17 chunks of 64 KiB, the last one partial
+    with standin_engine(copier) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        assert engine.route(agent.engine, kv.base) in ("tcp", "unix")
+        src, back = pattern(nbytes, 1), np.zeros(nbytes, np.uint8)
+        handle = engine.register(src, mem_type=MemType.MEM_DEVICE)
+        assert handle.mem_type == MemType.MEM_DEVICE and handle.copier is copier
+        engine.register(back, mem_type=MemType.MEM_DEVICE)
+        ring = engine._device.ring(copier)
+        for round_ in range(3):
+            src[:] = pattern(nbytes, 10 + round_)
+            engine.write(agent.engine, src, kv.base + 4096, timeout=GIVE_UP_S)
+            assert np.array_equal(remote_bytes(engine, agent.engine, kv.base + 4096, nbytes), src)
+            back[:] = 0
+            engine.read(agent.engine, back, kv.base + 4096, timeout=GIVE_UP_S)
+            assert np.array_equal(back, src)
+        # 6 transfers, one ring: allocated once, 2 x 64 KiB and nothing more, not busy
+        assert (ring.transfers, ring.allocations, copier.host_allocs) == (6, 1, 1)
+        assert [len(buf) for buf in copier.host_buffers.values()] == [2 * SLOT]
+        assert not ring.busy
+    assert copier.host_buffers == {}  # freed with the engine
+    assert ring.closed
+    copier.close()
+
+
+def test_put_copies_chunk_i_plus_1_while_chunk_i_is_sent(agent) -> None:
+    trace = Trace()
+    chunks = 6
+
+    def before_copy(seq: int, direction: str) -> None:
+        assert direction == "to_host"
+        if seq >= 1:  # chunk `seq` may be copied only once chunk seq-1's send has begun
+            trace.wait_for("send", seq - 1)
+
+    copier = HostStandIn(before_copy=before_copy)
+    copier.trace = trace
+    with standin_engine(copier) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        src = pattern(chunks * SLOT, 2)
+        engine.register(src, mem_type=MemType.MEM_DEVICE)
+        engine.write(agent.engine, src, kv.base, timeout=GIVE_UP_S)
+        assert trace.gave_up == []
+        assert np.array_equal(remote_bytes(engine, agent.engine, kv.base, src.size), src)
+    for k in range(chunks - 1):
+        # copy k+1 queued before send k began, and done only after: it ran during send k
+        assert trace.at("stage", k + 1) < trace.at("send", k) < trace.at("staged", k + 1)
+        # a slot is refilled only after its chunk was sent (2 slots: chunk k+2 into k's)
+        if k + 2 < chunks:
+            assert trace.at("sent", k) < trace.at("stage", k + 2)
+    copier.close()
+
+
+def test_get_receives_chunk_i_plus_1_while_chunk_i_is_copied_to_the_device(agent) -> None:
+    trace = Trace()
+    chunks = 6
+
+    def before_copy(seq: int, direction: str) -> None:
+        assert direction == "to_device"
+        if seq + 1 < chunks:  # chunk `seq` reaches the device only once seq+1's receive began
+            trace.wait_for("recv", seq + 1)
+
+    copier = HostStandIn(before_copy=before_copy)
+    copier.trace = trace
+    with standin_engine(copier) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        data = pattern(chunks * SLOT, 3)
+        engine.register(data)  # host memory: seeds the segment over the host path
+        engine.write(agent.engine, data, kv.base, timeout=GIVE_UP_S)
+        back = np.zeros_like(data)
+        engine.register(back, mem_type=MemType.MEM_DEVICE)
+        engine.read(agent.engine, back, kv.base, timeout=GIVE_UP_S)
+        assert trace.gave_up == []
+        assert np.array_equal(back, data)
+    for k in range(chunks - 1):
+        assert trace.at("unstage", k) < trace.at("recv", k + 1) < trace.at("unstaged", k)
+    copier.close()
+
+
+def test_many_small_ops_share_slots_arrays_and_async_too(agent) -> None:
+    copier = HostStandIn()
+    with standin_engine(copier) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        src, host = pattern(256 * 4 * KiB, 4), pattern(64 * KiB, 5)
+        engine.register(src, mem_type=MemType.MEM_DEVICE)
+        engine.register(host)
+        # 256 scattered 4 KiB device ops (reversed order remotely) and one host op, one call
+        descs = [TransferOpDesc(src.ctypes.data + i * 4 * KiB, kv.base + (255 - i) * 4 * KiB,
+                                4 * KiB) for i in range(256)]
+        descs.append(TransferOpDesc(host.ctypes.data, kv.base + 2 * MiB, host.size))
+        engine.transfer(agent.engine, TransferOp.WRITE, descs, timeout=GIVE_UP_S)
+        landed = remote_bytes(engine, agent.engine, kv.base, 256 * 4 * KiB)
+        assert np.array_equal(landed.reshape(256, -1)[::-1].reshape(-1), src)
+        assert np.array_equal(remote_bytes(engine, agent.engine, kv.base + 2 * MiB, host.size),
+                              host)
+        back = np.zeros_like(src)
+        engine.register(back, mem_type=MemType.MEM_DEVICE)
+        offsets = np.arange(256, dtype=np.int64) * 4 * KiB
+        engine.transfer_arrays(agent.engine, TransferOp.READ, back.ctypes.data + offsets,
+                               kv.base + offsets[::-1], 4 * KiB, timeout=GIVE_UP_S)
+        assert np.array_equal(back, src)
+        back[:] = 0
+        request = engine.transfer_async(agent.engine, TransferOp.READ,
+                                        [TransferOpDesc(back.ctypes.data, kv.base, back.size)],
+                                        timeout=GIVE_UP_S)
+        request.wait()
+        assert request.status == TransferStatus.COMPLETED
+        assert np.array_equal(back, landed)
+    copier.close()
+
+
+def test_peer_killed_mid_pipeline_fails_typed_and_the_ring_is_given_back(agent_process) -> None:
+    victim = agent_process(config={"pool": [{"name": "kv", "size": POOL}]})
+    survivor = agent_process(config={"pool": [{"name": "kv", "size": POOL}]})
+    trace = Trace()
+    killed = threading.Event()
+
+    def before_copy(seq: int, direction: str) -> None:
+        if seq == 3 and not killed.is_set():  # chunks 0-1 sent, the agent dies now
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait(GIVE_UP_S)
+            killed.set()
+
+    copier = HostStandIn(before_copy=before_copy)
+    copier.trace = trace
+    with standin_engine(copier) as engine:
+        engine.connect(victim.engine, timeout=10)
+        engine.connect(survivor.engine, timeout=10)
+        src = pattern(16 * SLOT, 6)
+        engine.register(src, mem_type=MemType.MEM_DEVICE)
+        ring = engine._device.ring(copier)
+        with pytest.raises((TransferFailed, TransferTimeout)) as info:
+            engine.write(victim.engine, src, kv_segment(engine, victim.engine).base,
+                         timeout=GIVE_UP_S)
+        assert killed.is_set() and ("sent", 0) in trace.events
+        assert ("sent", 15) not in trace.events
+        assert info.value.failed == [0]
+        assert not ring.busy  # given back, its copies drained
+        # the same ring carries the next transfer, to a live agent
+        kv = kv_segment(engine, survivor.engine)
+        engine.write(survivor.engine, src, kv.base, timeout=GIVE_UP_S)
+        assert np.array_equal(remote_bytes(engine, survivor.engine, kv.base, src.size), src)
+        assert (ring.allocations, copier.host_allocs) == (1, 1)
+    assert copier.host_buffers == {}
+    copier.close()
+
+
+def test_a_failed_device_copy_fails_the_call_typed_and_frees_the_ring(agent) -> None:
+    fail = threading.Event()
+
+    def before_copy(seq: int, direction: str) -> None:
+        if fail.is_set():
+            raise OSError("the device refused the copy")
+
+    copier = HostStandIn(before_copy=before_copy)
+    with standin_engine(copier) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        src = pattern(4 * SLOT, 7)
+        engine.register(src, mem_type=MemType.MEM_DEVICE)
+        fail.set()
+        with pytest.raises(TransferFailed, match="refused the copy") as info:
+            engine.write(agent.engine, src, kv.base, timeout=GIVE_UP_S)
+        assert info.value.failed == [0]
+        fail.clear()
+        engine.write(agent.engine, src, kv.base, timeout=GIVE_UP_S)
+        assert np.array_equal(remote_bytes(engine, agent.engine, kv.base, src.size), src)
+        assert not engine._device.ring(copier).busy
+    copier.close()
+
+
+# ---------------------------------------------------------------- the mapped path
+
+
+def test_mapped_path_copies_each_op_once_with_the_mapping_registered_once(agent) -> None:
+    copier = HostStandIn()
+    with standin_engine(copier, options={"EnableUseFabricMem": "1"}) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        assert engine.route(agent.engine, kv.base) == "fabric"
+        src, back = pattern(8784 * KiB, 8), np.zeros(8784 * KiB, np.uint8)
+        engine.register(src, mem_type=MemType.MEM_DEVICE)
+        engine.register(back, mem_type=MemType.MEM_DEVICE)
+        engine.write(agent.engine, src, kv.base, timeout=GIVE_UP_S)  # D2rH
+        assert np.array_equal(remote_bytes(engine, agent.engine, kv.base, src.size), src)
+        engine.read(agent.engine, back, kv.base, timeout=GIVE_UP_S)  # rH2D
+        assert np.array_equal(back, src)
+        request = engine.transfer_async(agent.engine, TransferOp.WRITE,
+                                        [TransferOpDesc(back.ctypes.data + 4096, kv.base, 4096)],
+                                        timeout=GIVE_UP_S)
+        request.wait()
+        assert request.status == TransferStatus.COMPLETED
+        # one copy per op, no staging: the ring was never allocated
+        assert copier.copies == 3 and copier.host_allocs == 0
+        assert copier.registrations == 1 and len(copier.registered) == 1
+        engine.disconnect(agent.engine)
+        assert copier.registered == {}  # unregistered with the mapping, before its unmap
+        with pytest.raises(NotConnected):
+            engine.write(agent.engine, src, kv.base, timeout=GIVE_UP_S)
+    copier.close()
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_a_tensor_resized_after_registration_is_refused_before_any_byte_moves(agent) -> None:
+    torch = pytest.importorskip("torch")
+    copier = HostStandIn()
+    with standin_engine(copier) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        tensor = torch.arange(4 * SLOT, dtype=torch.uint8)
+        handle = engine.register(tensor, mem_type=MemType.MEM_DEVICE)
+        addr = handle.addr
+        tensor.resize_(64 * SLOT)  # a new, bigger storage: the registered one is gone
+        with pytest.raises(ParamInvalid, match="resized or moved") as info:
+            engine.transfer(agent.engine, TransferOp.WRITE,
+                            [TransferOpDesc(addr, kv.base, 4 * SLOT)], timeout=GIVE_UP_S)
+        assert info.value.failed == [0] and copier.copies == 0
+        with pytest.raises(ParamInvalid, match="not contiguous"):
+            engine.register(torch.zeros(64, 64)[:, ::2], mem_type=MemType.MEM_DEVICE)
+    copier.close()
+
+
+class OnDevice:
+    """An object that says it lives on a CUDA device (DLPack device type 2)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, self.index)
+
+
+class StridedCudaArray:
+    __cuda_array_interface__ = {"shape": (4, 4), "typestr": "<f4", "strides": (32, 8),
+                                "data": (0x7F0000000000, False), "version": 3}
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: OnDevice(1), ParamInvalid, "cuda:1, but this engine's device copier streams on cuda:0"),
+    (lambda: StridedCudaArray(), ParamInvalid, "not C-contiguous"),
+    (lambda: OnDevice(0), HixlError, "exposes no device pointer"),
+])
+def test_device_objects_the_copier_cannot_serve_are_typed_errors(
+        make: Callable[[], object], error: type[Exception], match: str) -> None:
+    copier = HostStandIn(device="cuda:0")  # standing in for device 0
+    with Engine("127.0.0.1", device_copier=copier) as engine, pytest.raises(error, match=match):
+        engine.register(make())
+    copier.close()
+
+
+def test_without_a_device_copier_device_memory_is_refused_and_host_paths_unchanged() -> None:
+    from hixl.errors import Unsupported
+
+    with Engine("127.0.0.1") as engine:
+        with pytest.raises(Unsupported, match="MEM_DEVICE"):
+            engine.register(np.zeros(64, np.uint8), mem_type=MemType.MEM_DEVICE)
+        with pytest.raises(Unsupported, match="cuda:0 device memory"):
+            engine.register(OnDevice(0))
+        assert engine._device_count == 0
