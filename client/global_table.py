@@ -270,7 +270,6 @@ class GlobalTable:
                 if not self._stop.is_set():
                     log.info("registry %s ended the watch; resyncing", address)
             except HixlError as exc:
-                self._failed(exc)
                 if not self._resyncs and failures == 0:
                     log.warning("registry %s has not answered: %s (retrying; until it does, "
                                 "this engine knows no peers, and engines() raises this)",
@@ -279,6 +278,7 @@ class GlobalTable:
                     level = logging.INFO if failures == 0 else logging.DEBUG
                     log.log(level, "registry %s watch lost: %s (resyncing from %s)", address,
                             exc, self._endpoints.current())
+                self._failed(exc)  # after the log: a waiter woken by it finds the line
             except Exception:  # a bug in applying must not silently freeze the table
                 log.exception("registry %s watch failed; resyncing", address)
             finally:
