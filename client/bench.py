@@ -93,6 +93,9 @@ def human_size(n: int, *, approximate: bool = False) -> str:
     return f"{n}B"
 
 
+LOCAL_MEMORIES = ("host", "cuda")
+
+
 @dataclass
 class BenchConfig:
     """What to measure; the defaults are the full matrix in about 1-2 minutes on 2 cores."""
@@ -122,6 +125,14 @@ class BenchConfig:
     local: str | None = None  # IP of this side's engines; None: the one that routes to the agent
     mooncake: str = "auto"  # "auto": measured when mooncake.engine imports; "on": required; "off"
     mooncake_peer: str | None = None  # a Mooncake target's segment "ip:rpc_port"; None starts one
+    # where the HIXL-style run's local side lives: "host", or "cuda" (a CUDA tensor, PUT
+    # D2rH / GET rH2D, issue 21; needs torch with CUDA; `hixl bench --local-memory cuda`)
+    local_memory: str = "host"
+
+    def __post_init__(self) -> None:
+        if self.local_memory not in LOCAL_MEMORIES:
+            raise ValueError(f"local_memory must be one of {', '.join(LOCAL_MEMORIES)}, got "
+                             f"{self.local_memory!r}")
 
     def batches_for(self, block: int) -> list[int]:
         """The batch sizes for `block`, capped by max_call_bytes, without duplicates."""
@@ -1161,8 +1172,17 @@ class Bench(BenchRun):
                 self._through_other(side, other, TransferOp.WRITE, windows, expected)
         with engine_class(self.local, {"EnableUseFabricMem": PATH_OPTION[path]}) as engine:
             engine.connect(target.engine, timeout=5.0)
-            engine.register(side.local)
-            descs = [[TransferOpDesc(side.local_addr, base, block)] for base in blocks]
+            local_addr, on_device = side.local_addr, None
+            if self.config.local_memory == "cuda":  # the same bytes, on the device
+                import torch
+
+                on_device = torch.from_numpy(side.local).to("cuda")
+                torch.cuda.synchronize()
+                local_addr = on_device.data_ptr()
+                engine.register(on_device)
+            else:
+                engine.register(side.local)
+            descs = [[TransferOpDesc(local_addr, base, block)] for base in blocks]
             latencies = []
             for i in range(count):
                 began = time.perf_counter_ns()
@@ -1170,6 +1190,8 @@ class Bench(BenchRun):
                                 self.config.timeout)
                 latencies.append(time.perf_counter_ns() - began)
             route = self._route(Side(path, engine, side.local, side.verify), target, blocks[0])
+            if on_device is not None and transfer_op == TransferOp.READ:
+                side.local[:] = on_device.cpu().numpy()  # checked below as host bytes
         for other in each[:min(count, len(each))] if transfer_op == TransferOp.WRITE else each[:1]:
             self._check(side, other, transfer_op, windows, expected,
                         f"hixl-style {path} {op} {target.layout}")
@@ -1177,6 +1199,7 @@ class Bench(BenchRun):
             Timing(latencies, sum(latencies) / 1e9)
         return {"kind": "hixl-style", "path": path, "op": op, "layout": target.layout,
                 "block": block, "blocks": len(blocks), "transfers": count,
+                "local_memory": self.config.local_memory,
                 "first_us": latencies[0] / 1e3, "route": route,
                 **steady.summary(block, 1), "verified": True}
 

@@ -5,7 +5,7 @@ asynchronous copies between device memory and host memory, with events to wait o
 implementations:
 
 - `CudaCopier`: the CUDA driver API through ctypes (cuMemcpyDtoHAsync / cuMemcpyHtoDAsync
-  on a non-blocking stream of the device's primary context, events, cuMemHostAlloc for
+  on a stream of the device's primary context, events, cuMemHostAlloc for
   pinned staging, cuMemHostRegister for a peer's mapped segment). Why the driver API and
   not torch's CUDA API or the cuda-bindings package: a process holding CUDA memory has the
   driver loaded already (hixl.device finds it with RTLD_NOLOAD), so the path needs no
@@ -173,6 +173,7 @@ class HostStandIn(DeviceCopier):
         self.registered: dict[int, int] = {}  # host_register'ed ranges now
         self.registrations = 0  # host_register calls
         self._seq = 0
+        self._seq_lock = threading.Lock()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._closed = False
@@ -203,7 +204,8 @@ class HostStandIn(DeviceCopier):
     def _queue_copy(self, direction: str, dst: int, src: int, nbytes: int) -> None:
         if self._closed:
             raise NotConnected(f"device copier {self.device} is closed")
-        seq, self._seq = self._seq, self._seq + 1
+        with self._seq_lock:
+            seq, self._seq = self._seq, self._seq + 1
         self._queue.put((seq, direction, dst, src, nbytes))
 
     def to_host(self, host_addr: int, device_addr: int, nbytes: int) -> None:
@@ -255,7 +257,7 @@ class HostStandIn(DeviceCopier):
 
 # ------------------------------------------------------------------ CUDA (driver API)
 
-_CU_STREAM_NON_BLOCKING = 1
+_CU_STREAM_DEFAULT = 0  # synchronizes with the legacy default stream (see CudaCopier)
 _CU_EVENT_DISABLE_TIMING = 2
 _CU_MEMHOSTALLOC_PORTABLE = 1
 _CU_MEMHOSTREGISTER_PORTABLE = 1
@@ -320,10 +322,13 @@ def _check(result: int, call: str) -> None:
 
 
 class CudaCopier(DeviceCopier):
-    """Copies on one non-blocking stream of device `ordinal`'s primary context (the CUDA
-    runtime's, so torch's pointers and this stream agree). Every call pushes the context
-    on the calling thread and pops it after, leaving the caller's current context as it
-    was."""
+    """Copies on one stream of device `ordinal`'s primary context (the CUDA runtime's, so
+    torch's pointers and this stream agree). The stream is a blocking one (not
+    CU_STREAM_NON_BLOCKING): it waits for work queued before on the legacy default stream,
+    where torch writes a tensor unless told otherwise, so a PUT never reads bytes a kernel
+    has yet to write there. Work the caller queued on streams of its own must be complete
+    (synchronized) before the transfer. Every call pushes the context on the calling
+    thread and pops it after, leaving the caller's current context as it was."""
 
     def __init__(self, ordinal: int) -> None:
         api = _cuda()
@@ -343,7 +348,7 @@ class CudaCopier(DeviceCopier):
         self._stream = _P()
         self._closed = False
         with self._current():
-            _check(api.cuStreamCreate(ctypes.byref(self._stream), _CU_STREAM_NON_BLOCKING),
+            _check(api.cuStreamCreate(ctypes.byref(self._stream), _CU_STREAM_DEFAULT),
                    "cuStreamCreate")
 
     def _current(self) -> Any:
