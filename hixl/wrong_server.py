@@ -51,8 +51,8 @@ AGENT = Expected(
 #: a hixl-master's port, as the KV store dials it (MasterClient, the Mooncake store)
 MASTER = Expected(
     service="the hixl Master service (the KV store)",
-    serves_grpc="an hixl agent's gRPC port (an agent serves no store, not even with its "
-                "embedded registry), or another server?",
+    serves_grpc="an hixl agent's gRPC port (the store needs hixl-master: an agent serves "
+                "none, not even with its embedded registry), or another server?",
     not_grpc="an hixl agent's data port (data= on its 'hixl-agent serving' line) or another "
              "kind of server?",
     fix="Give the store hixl-master's address, host:port (the 'hixl-master serving' line, "
