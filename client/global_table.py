@@ -57,7 +57,8 @@ log = logging.getLogger("hixl.global_table")
 
 BACKOFF_FIRST_S = 0.05
 BACKOFF_MAX_S = 1.0
-#: failures that waiting does not mend: `require` raises them at once
+#: failures whose own class and text name the fix: `require` raises them as they are
+#: (anything else as PeerUnavailable)
 FINAL_FAILURES: tuple[type[HixlError], ...] = (WrongServer, AuthenticationFailed)
 
 
@@ -140,14 +141,14 @@ class GlobalTable:
         After a first snapshot this returns at once, whatever happens later (an outage
         keeps the last view readable). Before it, wait at most `timeout` seconds (default:
         the table's timeout) for that snapshot, then raise naming the registry and the
-        last failure: PeerUnavailable (down, unreachable or silent), or at once
-        WrongServer / AuthenticationFailed, which waiting does not mend.
+        last failure: PeerUnavailable (down, unreachable or silent), WrongServer (not a
+        registry) or AuthenticationFailed; at once for the last two when waiting cannot
+        mend them (a refused token; a wrong address that is the only one).
         """
         if self._resyncs:
             return
         limit = self._timeout if timeout is None else timeout
-        self.wait_for(lambda table: bool(table.resyncs) or isinstance(
-            table.last_error, FINAL_FAILURES), limit)
+        self.wait_for(lambda table: bool(table.resyncs) or table._final(), limit)
         if self._resyncs:
             return
         error = self._last_error
@@ -163,6 +164,13 @@ class GlobalTable:
                "the agents' --master names)? ")
         raise cls(f"registry {self.registry} has not answered since this engine started, so "
                   f"nothing is known of the cluster yet: {why}{fix}".rstrip())
+
+    def _final(self) -> bool:
+        """The last failure is one waiting does not mend: a refused token, or an address
+        that is no registry when it is the only one (given several, the watch moves on)."""
+        error = self._last_error
+        return isinstance(error, AuthenticationFailed) or (
+            isinstance(error, WrongServer) and len(self._endpoints.addresses) == 1)
 
     def engines(self) -> dict[str, EngineInfo]:
         """Engine name -> identity, epoch and endpoints, for every engine with a live lease

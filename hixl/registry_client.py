@@ -31,7 +31,7 @@ from hixl.control import (
     segment_from_pb,
     segments_from_columns,
 )
-from hixl.errors import ConfigError, HixlError, NotConnected, ParamInvalid
+from hixl.errors import ConfigError, HixlError, NotConnected, ParamInvalid, WrongServer
 from hixl.failover import Endpoints, TryNext, rpc_failure
 from hixl.tls import TlsSetting, client_tls
 from hixl.types import SegmentInfo
@@ -326,6 +326,8 @@ class RegistryWatch:
 
     def _failure(self, exc: grpc.RpcError) -> HixlError:
         outcome = rpc_failure(exc, self._what, _converter(self._address, self._expect))
+        if isinstance(outcome, WrongServer):  # not a registry: open the next one next
+            outcome = TryNext(outcome, sent=False)
         if not isinstance(outcome, TryNext):
             return outcome
         if self._endpoints is not None:
@@ -467,7 +469,10 @@ class RegistryClient:
             return getattr(self._stub(address), method)(
                 request, timeout=max(0.001, deadline - time.monotonic()))
         except grpc.RpcError as exc:
-            raise rpc_failure(exc, what(address), _converter(address, self._expect)) from None
+            failure = rpc_failure(exc, what(address), _converter(address, self._expect))
+            if isinstance(failure, WrongServer):  # not a registry: the next address may be
+                raise TryNext(failure, sent=False) from None
+            raise failure from None
 
     def _lease_key(self, lease_id: int, owner_key: bytes | None) -> bytes:
         if owner_key is not None:

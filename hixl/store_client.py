@@ -549,8 +549,12 @@ class MasterClient:
         try:
             reply = getattr(link.stub, method)(request, timeout=limit)
         except grpc.RpcError as exc:
-            raise rpc_failure(exc, where, lambda rpc, said: master_error(rpc, said, address),
-                              MasterNotLeader) from None
+            failure = rpc_failure(exc, where,
+                                  lambda rpc, said: master_error(rpc, said, address),
+                                  MasterNotLeader)
+            if isinstance(failure, MasterWrongServer):  # not a master: none applied it
+                raise TryNext(failure, sent=False) from None
+            raise failure from None
         if method in ADVERTISING and fast is not None:
             fast.advertised(reply.fast_port)
         return reply

@@ -130,3 +130,23 @@ def test_engine_registry_at_an_agents_data_port_says_it_is_not_grpc(
         client.query()
     assert str(direct.value).startswith(f"[UNSUPPORTED 103905] query of registry {data}: "
                                         f"{data} does not speak gRPC")
+
+
+def test_a_wrong_address_among_several_is_passed_over(agent_process: StartAgent) -> None:
+    """Given every master address, one that is an agent's port is skipped like a master
+    that is down: the store's calls and the engine's registry go to the real master."""
+    agent = agent_process()
+    ports = _ports(agent)
+    with master_process() as master:
+        with MasterClient(f"{ports['grpc']},{master}", timeout=LONG_S) as client:
+            client.heartbeat()
+            assert client.current == master
+        with RegistryClient(f"{ports['data']},{master}", timeout=LONG_S,
+                            expect=REGISTRY) as registry:
+            registry.query()
+            assert registry.current == master
+        with Engine("127.0.0.1", registry=f"{ports['data']},{master}") as engine:
+            table = engine.global_table
+            assert table is not None
+            table.require(LONG_S)
+            assert table.current == master
