@@ -561,7 +561,11 @@ def staged_transfer(copier: DeviceCopier, ring: StagingRing, socket: Transport,
     (`.failed`) and the ring is given back only once no copy uses it."""
     chunks = plan_chunks(items, ring.config.slot_bytes)
     trace = copier.trace or _no_trace
-    slots = ring.acquire(deadline)
+    try:
+        slots = ring.acquire(deadline)
+    except HixlError as exc:
+        exc.failed = sorted({item.index for item in items})
+        raise
     count = len(slots)
     pending: list[Any] = [None] * count  # the event of each slot's queued copies
     order: list[int] = []  # the chunks whose copies are pending, oldest first

@@ -224,6 +224,43 @@ def test_many_small_ops_share_slots_arrays_and_async_too(agent) -> None:
     copier.close()
 
 
+def test_one_transfer_at_a_time_through_the_ring_others_wait_or_time_out(agent) -> None:
+    held, release = threading.Event(), threading.Event()
+
+    def before_copy(seq: int, direction: str) -> None:
+        if seq == 0:  # the first transfer holds the ring until the test lets it go
+            held.set()
+            release.wait(GIVE_UP_S)
+
+    copier = HostStandIn(before_copy=before_copy)
+    with standin_engine(copier) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        first, second = pattern(4 * SLOT, 11), pattern(4 * SLOT, 12)
+        engine.register(first, mem_type=MemType.MEM_DEVICE)
+        engine.register(second, mem_type=MemType.MEM_DEVICE)
+        request = engine.transfer_async(agent.engine, TransferOp.WRITE,
+                                        [TransferOpDesc(first.ctypes.data, kv.base, first.size)],
+                                        timeout=GIVE_UP_S)
+        assert held.wait(GIVE_UP_S)
+        ring = engine._device.ring(copier)
+        assert ring.busy
+        with pytest.raises(TransferTimeout, match="busy") as info:  # its deadline passes first
+            engine.write(agent.engine, second, kv.base + first.size, timeout=0.2)
+        assert info.value.failed == [0]
+        waiting = engine.transfer_async(
+            agent.engine, TransferOp.WRITE,
+            [TransferOpDesc(second.ctypes.data, kv.base + first.size, second.size)],
+            timeout=GIVE_UP_S)
+        release.set()
+        request.wait()
+        waiting.wait()
+        assert np.array_equal(remote_bytes(engine, agent.engine, kv.base, 2 * first.size),
+                              np.concatenate([first, second]))
+        assert (ring.transfers, ring.allocations) == (2, 1)
+    copier.close()
+
+
 def test_peer_killed_mid_pipeline_fails_typed_and_the_ring_is_given_back(agent_process) -> None:
     victim = agent_process(config={"pool": [{"name": "kv", "size": POOL}]})
     survivor = agent_process(config={"pool": [{"name": "kv", "size": POOL}]})
