@@ -22,6 +22,7 @@ from hixl import Engine, NotConnected, OutOfRange, PeerUnavailable, StaleEpoch
 from hixl.client.agent_client import AgentClient
 from hixl.client.global_table import GlobalTable
 from hixl.client.registry_bench import MasterProcess
+from hixl.errors import AuthenticationFailed
 from hixl.registry_client import EngineEndpoints, EngineInfo, RegistryClient
 from hixl.server.registry import SNAPSHOT_CHUNK, EventKind, Registry, RegistryEvent
 from hixl.types import MemType, Perm, SegmentInfo
@@ -373,6 +374,24 @@ def test_a_registry_that_starts_late_is_followed_and_then_outlived(
             assert table.wait_for(lambda t: not t.synced, GIVE_UP_S)
             assert engine.engines()["late:1"].epoch == 7  # the last known table
         table.require(0)  # returns at once: it was synced once
+
+
+def test_a_registry_refusing_the_token_is_reported_at_once(tmp_path) -> None:
+    """A wrong cluster token is not mended by waiting: engines() raises the refusal at once
+    (the long deadline below would fail the test by its timeout if it were waited out)."""
+    token = tmp_path / "token"
+    token.write_bytes(b"the-cluster-token-of-this-test")
+    token.chmod(0o600)
+    with MasterProcess(extra=["--cluster-token-file", str(token)]) as master, \
+            Engine("127.0.0.1", registry=master.target, cluster_token=b"another-token") \
+            as engine:
+        table = engine.global_table
+        assert table is not None
+        with pytest.raises(AuthenticationFailed) as caught:
+            table.require(600.0)
+        assert f"registry {master.target} has not answered since this engine started" \
+            in str(caught.value)
+        assert "token" in str(caught.value)
 
 
 # ---------------------------------------------------------------- membership events (domain)
