@@ -2,20 +2,25 @@
 """Fail-over time of several hixl-masters on one etcd (issue 8): kill the leader, K times.
 
     .venv/bin/python scripts/bench_failover.py [--masters 3] [--kills 10] [--lease-ttl 5]
-                                               [--json FILE|-]
+                                               [--remount-delay S] [--json FILE|-]
 
 Starts a 3-member etcd cluster on loopback (the test harness, tests/etcd_cluster.py),
 N hixl-masters on one prefix (the first leads), a segment holder process (a store client
-contributing a 64 MiB segment) and, in this process, a Mooncake store client given every
-master address whose thread puts values back to back, recording each put's outcome. Then,
-K times: SIGKILL the leader mid-load, and measure
+contributing a 256 MiB segment; with --remount-delay, one that remounts that late) and,
+in this process, a Mooncake store client given every master address whose thread puts
+values back to back, recording each put's outcome. Then, K times: SIGKILL the leader
+mid-load, and measure
 
 - `elected`: from the kill to etcd naming a new leader (an election observer here), and
 - `first put`: from the kill to the end of the first put that started after the kill and
   succeeded (the new leader loaded the store, the client found it, the holder remounted);
 
-count the puts that failed during the switch (with their codes), restart the killed
-master on its port (as its supervisor would: it rejoins as a standby) and go on. At the
+restart the killed master on its port (as its supervisor would: it rejoins as a standby)
+and go on. Each switch's failed puts (with their codes) are those that ended after its
+kill and before the next one, split into puts *in flight* at the kill (started
+before the killed process was gone: their request may have reached the dying leader, so
+the client does not repeat it: RPC_FAIL) and puts *started after* it (the new leader holds those until the holder remounts its
+segment, docs/store.md §6: none should fail). At the
 end every put that returned 0 is read back byte for byte: `lost` must be 0. Prints a
 table of every kill and p50/p99/max (format_table / emit_report of `hixl bench`), and the
 JSON report with `--json`. Root is not needed.
@@ -33,6 +38,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -61,6 +67,57 @@ WAIT_S = 60.0        # the most one switch may take before the bench gives up
 #: (an eviction drops keys by design and would read as a loss)
 HOLDER_BYTES = 256 * MiB
 EVICTION_WATERMARK = 0.95   # hixl-master's default --eviction_high_watermark_ratio
+
+
+#: a segment holder (a hixl store client contributing a segment) whose every remount
+#: after its first mount starts `delay` s late: a slow holder (a loaded host)
+DELAYED_HOLDER = r"""
+import sys, time
+from hixl.client.mooncake import MooncakeDistributedStore
+
+targets, size, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+store = MooncakeDistributedStore(setup_timeout=60)
+if store.setup("127.0.0.1", "P2PHANDSHAKE", size, 16 << 20, "tcp", "", targets):
+    print("setup failed:", store.last_error, flush=True)
+    sys.exit(1)
+mount = store._master.mount_segment
+
+def late(*args, **kwargs):
+    time.sleep(delay)
+    return mount(*args, **kwargs)
+
+store._master.mount_segment = late
+print("DELAYED-HOLDER-READY", flush=True)
+sys.stdin.read()
+store.close()
+"""
+
+
+class DelayedHolder:
+    """The holder of `--remount-delay`; stop() closes its stdin (it unmounts and exits)."""
+
+    def __init__(self, targets: str, size: int, delay: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", DELAYED_HOLDER, targets, str(size), str(delay)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if "DELAYED-HOLDER-READY" in line:
+                break
+        else:
+            raise SystemExit(f"bench_failover: the holder did not start ({self.proc.wait()})")
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @dataclass
@@ -154,7 +211,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         masters = [MasterProcess(extra=flags) for _ in range(args.masters)]
         targets = ",".join(m.target for m in masters)
         elections = Elections(etcd)
-        holder = HolderProcess("hixl", targets, "127.0.0.1", HOLDER_BYTES)
+        holder = (DelayedHolder(targets, HOLDER_BYTES, args.remount_delay)
+                  if args.remount_delay > 0
+                  else HolderProcess("hixl", targets, "127.0.0.1", HOLDER_BYTES))
         store = MooncakeDistributedStore(setup_timeout=WAIT_S)
         load: Load | None = None
         kills: list[dict[str, Any]] = []
@@ -169,33 +228,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 old = wait_for(lambda: elections.current() or None, "a leader")
                 victim = next(m for m in masters if m.target == old)
                 killed_at = time.monotonic()
-                victim.kill()
+                victim.kill()  # returns once the process is gone
+                dead_at = time.monotonic()  # no request reaches it from now on
                 elected = wait_for(lambda o=old, t=killed_at: elections.first_after(t, o),
                                    "a new leader")
                 first = wait_for(lambda t=killed_at: load.first_success_after(t),
                                  "a put at the new leader")
-                failed = [p for p in list(load.puts)
-                          if p.code != 0 and p.ended >= killed_at and p.started < first.started]
-                codes: dict[str, int] = {}
-                for put in failed:
-                    name = ErrorCode(put.code).name if put.code in ErrorCode._value2member_map_ \
-                        else str(put.code)
-                    codes[name] = codes.get(name, 0) + 1
                 kills.append({"kill": number, "old_leader": old,
-                              "new_leader": elections.current(),
+                              "new_leader": elections.current(), "killed_at": killed_at,
+                              "dead_at": dead_at,
                               "elected_s": round(elected - killed_at, 4),
-                              "first_put_s": round(first.ended - killed_at, 4),
-                              "failed_puts": len(failed), "failed_codes": codes})
+                              "first_put_s": round(first.ended - killed_at, 4)})
                 print(f"kill {number}: elected after {elected - killed_at:.3f} s, first put "
-                      f"after {first.ended - killed_at:.3f} s, {len(failed)} puts failed "
-                      f"{codes or ''}", file=sys.stderr, flush=True)
+                      f"after {first.ended - killed_at:.3f} s", file=sys.stderr, flush=True)
                 masters[masters.index(victim)] = MasterProcess(victim.port, extra=flags)
                 victim.close()
+            time.sleep(args.settle)  # the last switch's window: puts after it count too
         finally:
             if load is not None:
                 load.stop()
         try:
             assert load is not None
+            count_failures(kills, load.puts)
             ok = [p for p in load.puts if p.code == 0]
             # usage only grows (nothing is removed): under the eviction watermark at the
             # end means no eviction ever ran (stats counters die with each killed leader)
@@ -216,14 +270,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def count_failures(kills: list[dict[str, Any]], puts: list[Put]) -> None:
+    """Each kill's failed puts: those that ended after it and before the next kill (or
+    the end), split into those in flight when it came (started before it: a
+    request that may have reached the dying leader is not repeated, RPC_FAIL) and those
+    started after it (what a switch should never fail)."""
+    for kill, following in zip(kills, [*kills[1:], None], strict=True):
+        start, dead = kill.pop("killed_at"), kill.pop("dead_at")
+        end = following["killed_at"] if following is not None else float("inf")
+        failed = [p for p in puts if p.code != 0 and start <= p.ended < end]
+        codes: dict[str, int] = {}
+        for put in failed:
+            name = ErrorCode(put.code).name if put.code in ErrorCode._value2member_map_ \
+                else str(put.code)
+            codes[name] = codes.get(name, 0) + 1
+        in_flight = sum(1 for p in failed if p.started < dead)
+        kill.update({"failed_puts": len(failed), "failed_in_flight": in_flight,
+                     "failed_after_kill": len(failed) - in_flight, "failed_codes": codes})
+
+
 def summarize(args: argparse.Namespace, kills: list[dict[str, Any]], puts: int,
               succeeded: int, lost: list[str]) -> dict[str, Any]:
     summary = {}
-    for name in ("elected_s", "first_put_s", "failed_puts"):
+    for name in ("elected_s", "first_put_s", "failed_puts", "failed_in_flight",
+                 "failed_after_kill"):
         values = [float(k[name]) for k in kills]
         summary[name] = {"p50": statistics.median(values), "p99": percentile(values, 99),
                          "max": max(values)}
     return {"masters": args.masters, "kills": args.kills, "lease_ttl_s": args.lease_ttl,
+            "remount_delay_s": args.remount_delay,
             "value_bytes": args.value_size, "puts": puts, "puts_succeeded": succeeded,
             "lost_keys": len(lost), "lost": lost[:20], "per_kill": kills, "summary": summary,
             "settings": {k: v for k, v in vars(args).items() if k != "json"}}
@@ -231,19 +306,25 @@ def summarize(args: argparse.Namespace, kills: list[dict[str, Any]], puts: int,
 
 def format_report(report: dict[str, Any]) -> str:
     rows = [[str(k["kill"]), k["old_leader"], k["new_leader"], f"{k['elected_s']:.3f}",
-             f"{k['first_put_s']:.3f}", str(k["failed_puts"]),
+             f"{k['first_put_s']:.3f}", str(k["failed_puts"]), str(k["failed_in_flight"]),
+             str(k["failed_after_kill"]),
              " ".join(f"{c}:{n}" for c, n in k["failed_codes"].items()) or "-"]
             for k in report["per_kill"]]
     table = format_table(["kill", "old leader", "new leader", "elected s", "first put s",
-                          "failed puts", "codes"], rows, left=(0, 1, 2, 6))
+                          "failed puts", "in flight", "after kill", "codes"], rows,
+                         left=(0, 1, 2, 8))
     summary = report["summary"]
     lines = [f"hixl-master fail-over: {report['masters']} masters, election lease "
              f"{report['lease_ttl_s']} s, {report['kills']} kills of the leader (SIGKILL) "
-             f"under a put load of {report['value_bytes']} B values", "", table, ""]
+             f"under a put load of {report['value_bytes']} B values"
+             + (f", each remount {report['remount_delay_s']:g} s late"
+                if report["remount_delay_s"] else ""), "", table, ""]
     stats = [[name, *(f"{summary[key][q]:.3f}" for q in ("p50", "p99", "max"))]
              for name, key in (("kill -> new leader elected (s)", "elected_s"),
                                ("kill -> first successful put (s)", "first_put_s"),
-                               ("failed puts per switch", "failed_puts"))]
+                               ("failed puts per switch", "failed_puts"),
+                               ("... in flight at the kill", "failed_in_flight"),
+                               ("... started after the kill", "failed_after_kill"))]
     lines += [format_table(["", "p50", "p99", "max"], stats, left=(0,)), "",
               f"puts: {report['puts']} ({report['puts_succeeded']} succeeded); keys lost "
               f"(reported stored, then missing or different): {report['lost_keys']}; "
@@ -264,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                              "hold every value put: nothing may be evicted)")
     parser.add_argument("--settle", type=float, default=1.0,
                         help="seconds of load between a switch and the next kill (default 1)")
+    parser.add_argument("--remount-delay", type=float, default=0.0, metavar="S",
+                        help="the segment holder starts each remount after a switch S s "
+                             "late (a slow holder: the new leader has no room until then; "
+                             "default 0)")
     parser.add_argument("--json", metavar="FILE|-", help="also write the JSON report")
     args = parser.parse_args(argv)
     if args.masters < 2 or args.kills < 1:

@@ -84,6 +84,9 @@ class GatedHolder:
                 break
         else:
             raise AssertionError(f"the holder did not start (exit {self.proc.wait()})")
+        # keep reading what it says (its log included), so it never blocks on a full pipe
+        self._drain = threading.Thread(target=self.proc.stdout.read, daemon=True)
+        self._drain.start()
 
     def let_remount(self) -> None:
         assert self.proc.stdin is not None
@@ -178,8 +181,8 @@ def test_a_leader_kill_fails_no_put_the_new_leader_holds_them_for_the_remount(
                                    targets) == 0, store.last_error
             putters = Putters(stores)
             wait_until(lambda: putters.ok_since(0.0) >= 40, "puts before the kill")
-            killed_at = time.monotonic()
-            leader.kill()  # SIGKILL, mid-load
+            leader.kill()  # SIGKILL, mid-load; returns once the process is gone
+            dead_at = time.monotonic()  # no request can reach it from now on
             new = masters.leader(exclude=(leader.target,))
             # the new leader has no room until the holder remounts: puts wait there
             wait_until(lambda: stats_of(new.target)["puts_held_for_remount"] >= 1,
@@ -196,12 +199,12 @@ def test_a_leader_kill_fails_no_put_the_new_leader_holds_them_for_the_remount(
         try:
             stats = stats_of(new.target)
             assert stats["remount_holds"] >= 1, stats
-            after = [p for p in putters.puts if p.started >= killed_at]
+            after = [p for p in putters.puts if p.started >= dead_at]
             failed = [(p.key, code_name(p.code)) for p in after if p.code != 0]
-            assert not failed, f"puts started after the kill failed: {failed}"
+            assert not failed, f"puts started after the leader died failed: {failed}"
             # a put in flight when the leader died may fail RPC_FAIL (its request may have
             # been applied: the client does not repeat it), nothing else
-            before = [p for p in putters.puts if p.started < killed_at and p.code != 0]
+            before = [p for p in putters.puts if p.started < dead_at and p.code != 0]
             assert all(p.code == ErrorCode.RPC_FAIL for p in before), before
             assert len(before) <= len(stores)
             acked = [p for p in putters.puts if p.code == 0]
