@@ -228,8 +228,11 @@ class GlobalTable:
                 self._changed.wait(remaining)
 
     def wait_synced(self, timeout: float) -> bool:
-        """Wait (at most `timeout` s) until a snapshot is applied and the stream is up."""
-        return self.wait_for(lambda table: table.synced, timeout)
+        """Wait (at most `timeout` s) until a snapshot is applied and the stream is up.
+        False at once, before any snapshot, on a failure waiting does not mend (a refused
+        token, an only address that is no registry: `require` raises it)."""
+        return self.wait_for(lambda table: table.synced or (
+            not table.resyncs and table._final()), timeout) and self._synced
 
     # ------------------------------------------------------------------ lifecycle
 

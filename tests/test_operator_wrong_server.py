@@ -116,10 +116,15 @@ def test_engine_registry_at_an_agent_with_a_master_says_it_serves_no_registry(
 
 def test_engine_registry_at_an_agents_data_port_says_it_is_not_grpc(
         agent_process: StartAgent) -> None:
-    data = _ports(agent_process())["data"]
+    agent = agent_process()
+    data = _ports(agent)["data"]
     with Engine("127.0.0.1", registry=data) as engine:
         table = engine.global_table
         assert table is not None
+        # connect waits for the registry's first snapshot only while waiting can help:
+        # then it reaches the agent by handshake
+        engine.connect(agent.engine, timeout=LONG_S)
+        assert engine.segments(agent.engine) == agent.info.segments
         with pytest.raises(WrongServer) as caught:
             table.require(LONG_S)
         said = str(caught.value)
