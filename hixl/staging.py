@@ -39,6 +39,7 @@ import logging
 import queue
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -293,17 +294,27 @@ _cuda_api: Any = None
 
 
 def _cuda() -> Any:
-    """The loaded CUDA driver with the signatures used here (None: not loaded)."""
+    """The loaded CUDA driver's functions used here, with their signatures, by the names
+    above (a `_v2` entry point falls back to the unversioned one where a driver lacks
+    it); None when the driver is not loaded. Unsupported when it lacks one of them."""
     global _cuda_api
     if _cuda_api is None:
         driver = device._loaded_cuda_driver()
         if driver is None:
             return None
+        functions: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
-            function = getattr(driver, name)
+            for symbol in dict.fromkeys((name, name.removesuffix("_v2"))):
+                function = getattr(driver, symbol, None)
+                if function is not None:
+                    break
+            else:
+                raise Unsupported(f"the loaded CUDA driver has no {name}: too old for "
+                                  "hixl's device path")
             function.argtypes = argtypes
             function.restype = ctypes.c_int
-        _cuda_api = driver
+            functions[name] = function
+        _cuda_api = types.SimpleNamespace(**functions)
     return _cuda_api
 
 

@@ -17,9 +17,14 @@ cuMemHostRegister behave as the stand-in does. tests/test_device_memory.py's GPU
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -411,3 +416,196 @@ def test_without_a_device_copier_device_memory_is_refused_and_host_paths_unchang
         with pytest.raises(Unsupported, match="cuda:0 device memory"):
             engine.register(OnDevice(0))
         assert engine._device_count == 0
+
+
+# ---------------------------------------------------------------- CudaCopier's bindings
+
+# The CUDA driver entry points CudaCopier calls, implemented over host memory: "device"
+# memory comes from cuMemAlloc_v2 (malloc'd; cuPointerGetAttribute calls it device memory
+# of device 0), copies are memcpy, and every handle, context push, event, pinned buffer and
+# host registration is counted, so the test can see each one balanced. It checks hixl's
+# ctypes bindings (symbols, argument types, pointer passing, the context pushed on each
+# calling thread, lifetimes), not CUDA: no copy here is asynchronous, no memory pinned.
+FAKE_DRIVER_C = r"""
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+#define SLOTS 256
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { uintptr_t base; size_t size; } allocs[SLOTS], regs[SLOTS];
+static __thread int depth;  /* contexts pushed on this thread */
+static int marker, initialized;
+static long counts[8];  /* pushes-pops, retained, streams, events, host allocs, registered */
+#define LOCKED(body) do { pthread_mutex_lock(&mu); body; pthread_mutex_unlock(&mu); } while (0)
+static int find(uintptr_t p, size_t n) {
+    for (int i = 0; i < SLOTS; i++)
+        if (allocs[i].size && p >= allocs[i].base && p + n <= allocs[i].base + allocs[i].size)
+            return i;
+    return -1;
+}
+CUresult cuInit(unsigned f) { initialized = 1; return 0; }
+CUresult cuDeviceGet(int *d, int ordinal) {
+    if (!initialized) return 3;
+    if (ordinal != 0) return 101;
+    *d = 0; return 0;
+}
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = &marker; LOCKED(counts[1]++); return 0; }
+CUresult cuDevicePrimaryCtxRelease_v2(int dev) { LOCKED(counts[1]--); return 0; }
+CUresult cuCtxPushCurrent_v2(void *ctx) {
+    if (ctx != &marker) return 201;
+    depth++; LOCKED(counts[0]++); return 0;
+}
+CUresult cuCtxPopCurrent_v2(void **ctx) {
+    if (depth <= 0) return 201;
+    depth--; LOCKED(counts[0]--); if (ctx) *ctx = &marker; return 0;
+}
+#define IN_CTX if (depth <= 0) return 201
+CUresult cuStreamCreate(void **s, unsigned f) { IN_CTX; *s = malloc(8); LOCKED(counts[2]++); return 0; }
+CUresult cuStreamDestroy_v2(void *s) { IN_CTX; free(s); LOCKED(counts[2]--); return 0; }
+CUresult cuStreamSynchronize(void *s) { IN_CTX; return 0; }
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
+    IN_CTX; int ok; LOCKED(ok = find(src, n) >= 0); if (!ok || !s) return 1;
+    memcpy(dst, (void *)src, n); return 0;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) {
+    IN_CTX; int ok; LOCKED(ok = find(dst, n) >= 0); if (!ok || !s) return 1;
+    memcpy((void *)dst, src, n); return 0;
+}
+CUresult cuEventCreate(void **e, unsigned f) { IN_CTX; *e = malloc(8); LOCKED(counts[3]++); return 0; }
+CUresult cuEventRecord(void *e, void *s) { IN_CTX; return e && s ? 0 : 1; }
+CUresult cuEventSynchronize(void *e) { IN_CTX; return e ? 0 : 1; }
+CUresult cuEventDestroy_v2(void *e) { free(e); LOCKED(counts[3]--); return 0; }
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned f) {
+    IN_CTX; *p = malloc(n); LOCKED(counts[4]++); return *p ? 0 : 2;
+}
+CUresult cuMemFreeHost(void *p) { IN_CTX; free(p); LOCKED(counts[4]--); return 0; }
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned f) {
+    IN_CTX; if ((uintptr_t)p % 4096 || n % 4096) return 1;
+    CUresult r = 2;
+    LOCKED(for (int i = 0; i < SLOTS; i++) {
+        if (regs[i].size && regs[i].base == (uintptr_t)p) { r = 712; break; }
+        if (!regs[i].size) { regs[i].base = (uintptr_t)p; regs[i].size = n; counts[5]++; r = 0; break; }
+    });
+    return r;
+}
+CUresult cuMemHostUnregister(void *p) {
+    IN_CTX; CUresult r = 713;
+    LOCKED(for (int i = 0; i < SLOTS; i++)
+        if (regs[i].size && regs[i].base == (uintptr_t)p) { regs[i].size = 0; counts[5]--; r = 0; break; });
+    return r;
+}
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    IN_CTX; int i; LOCKED(i = find(p, 1); if (i >= 0) { *base = allocs[i].base; *size = allocs[i].size; });
+    return i >= 0 ? 0 : 1;
+}
+CUresult cuGetErrorString(CUresult r, const char **s) { *s = "fake driver error"; return 0; }
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    int i; LOCKED(i = find(p, 1));
+    if (i < 0) return 1;
+    if (attr == 2) *(unsigned *)data = 2;       /* CU_MEMORYTYPE_DEVICE */
+    else if (attr == 9) *(int *)data = 0;       /* device ordinal */
+    else return 1;
+    return 0;
+}
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+    void *m = malloc(n); CUresult r = 2;
+    LOCKED(for (int i = 0; i < SLOTS; i++)
+        if (!allocs[i].size) { allocs[i].base = (uintptr_t)m; allocs[i].size = n; r = 0; break; });
+    *p = (CUdeviceptr)m; return r;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    CUresult r = 1;
+    LOCKED(for (int i = 0; i < SLOTS; i++)
+        if (allocs[i].size && allocs[i].base == p) { allocs[i].size = 0; r = 0; break; });
+    if (!r) free((void *)p);
+    return r;
+}
+void fake_counts(long *out) { LOCKED(memcpy(out, counts, sizeof counts)); }
+"""
+
+FAKE_DRIVER_RUN = r"""
+import ctypes, json, os, sys
+lib = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+import numpy as np
+from hixl import Engine, device
+from hixl.errors import HixlError
+
+lib.cuMemAlloc_v2.argtypes = (ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t)
+lib.cuMemFree_v2.argtypes = (ctypes.c_uint64,)
+
+def dev_alloc(n):
+    p = ctypes.c_uint64()
+    assert lib.cuMemAlloc_v2(ctypes.byref(p), n) == 0
+    return p.value
+
+def counts():
+    out = (ctypes.c_long * 8)()
+    lib.fake_counts(out)
+    return dict(zip(["ctx_pushed", "retained", "streams", "events", "host_allocs",
+                     "registered"], out[:6]))
+
+agent, fabric = sys.argv[2], sys.argv[3]
+n = (12 << 20) + 123  # four chunks of the default 4 x 4 MiB staging ring
+src, back = dev_alloc(n), dev_alloc(n)
+data = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+ctypes.memmove(src, data.ctypes.data, n)
+out = {"placement": device.locate_address(src).device}
+with Engine("127.0.0.1", {"EnableUseFabricMem": fabric}) as engine:
+    engine.connect(agent, timeout=10)
+    (seg,) = [s for s in engine.segments(agent) if s.name == "kv"]
+    out["route"] = str(engine.route(agent, seg.base))
+    handle = engine.register(src, n)  # by pointer, as vLLM's Mooncake connector does
+    engine.register(back, n)
+    out["copier"] = f"{type(handle.copier).__name__} {handle.copier.device}"
+    engine.write(agent, src, seg.base, n, timeout=20)
+    host = np.zeros(n, np.uint8)
+    engine.register(host)
+    engine.read(agent, host, seg.base, timeout=20)
+    out["d2rh"] = bool(np.array_equal(host, data))
+    engine.read(agent, back, seg.base, n, timeout=20)
+    out["rh2d"] = ctypes.string_at(back, n) == data.tobytes()
+    request = engine.transfer_async(agent, 1, [(back, seg.base, 4096)], timeout=20)
+    request.wait()
+    out["async"] = request.status.name
+    freed = dev_alloc(1 << 20)
+    engine.register(freed, 1 << 20)
+    lib.cuMemFree_v2(freed)
+    try:
+        engine.write(agent, freed, seg.base, 1 << 20, timeout=5)
+        out["freed"] = "moved"
+    except HixlError as exc:
+        out["freed"] = f"{type(exc).__name__}: {exc}"
+    out["during"] = counts()
+out["after"] = counts()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler (cc) for the driver stand-in")
+@pytest.mark.parametrize("fabric", ["1", "0"], ids=["mapped", "socket"])
+def test_cuda_copier_bindings_against_a_host_memory_driver(agent, fabric: str,
+                                                           tmp_path: Path) -> None:
+    source = tmp_path / "fake_cuda.c"
+    source.write_text(FAKE_DRIVER_C)
+    library = tmp_path / "libcuda.so.1"  # found by hixl.device's RTLD_NOLOAD probe by soname
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1",
+                    "-o", str(library), str(source)], check=True)
+    run = subprocess.run([sys.executable, "-c", FAKE_DRIVER_RUN, str(library), agent.engine,
+                          fabric], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["placement"] == "cuda:0" and out["copier"] == "CudaCopier cuda:0"
+    assert (out["route"] == "fabric") == (fabric == "1")
+    assert out["d2rh"] and out["rh2d"] and out["async"] == "COMPLETED"
+    assert out["freed"].startswith("ParamInvalid") and "no longer cuda:0" in out["freed"]
+    during, after = out["during"], out["after"]
+    assert during["ctx_pushed"] == 0 and during["events"] == 0  # every push popped, event freed
+    assert during["retained"] == 1 and during["streams"] == 1  # one copier: one context, stream
+    # the mapped path registers the peer's mapping once and stages nothing; the socket
+    # path allocates one staging ring
+    assert (during["registered"], during["host_allocs"]) == ((1, 0) if fabric == "1" else (0, 1))
+    assert after == {"ctx_pushed": 0, "retained": 0, "streams": 0, "events": 0,
+                     "host_allocs": 0, "registered": 0}  # all given back by Engine.close
