@@ -12,7 +12,8 @@
 # so a skip says why. Then the device benchmark: mapped D2rH / rH2D of 8784 KiB against a
 # plain device<->pinned copy, TCP from/to the device against TCP from/to host memory,
 # and one 4 KiB op's p50, as same-run ratios (written to $OUT/gpu_bench.json when $OUT is
-# set). Exits non-zero when a test fails, or when no CUDA device is visible.
+# set); then hixl bench's HIXL-style run with the local side on the device. Exits
+# non-zero when a test or a step fails, or when no CUDA device is visible.
 #
 # Which Python: $HIXL_PYTHON, else python3 when its torch sees a CUDA device (GPU machines
 # with a framework image; they may reach no package index), with hixl installed into it
@@ -68,4 +69,12 @@ PYTHONUNBUFFERED=1 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_device_
     tests/test_device_staging.py "$@" || status=$?
 PYTHONUNBUFFERED=1 timeout 300 "$py" scripts/gpu_bench.py ${OUT:+--json "$OUT/gpu_bench.json"} \
     || status=$?
+# hixl bench's HIXL-style run (100 transfers of 8784 KiB per cell) with the local side on
+# the device (BenchConfig.local_memory; the CLI flag is --local-memory cuda where cli.py has it)
+PYTHONUNBUFFERED=1 timeout 300 "$py" -c '
+from hixl.client import bench
+report = bench.run_bench(bench.BenchConfig(matrix=False, local_memory="cuda", mooncake="off"))
+print(bench.format_report(report))
+assert all(cell["local_memory"] == "cuda" for cell in report["hixl_style"])
+' || status=$?
 exit "$status"
