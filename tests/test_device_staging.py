@@ -553,6 +553,16 @@ src, back = dev_alloc(n), dev_alloc(n)
 data = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
 ctypes.memmove(src, data.ctypes.data, n)
 out = {"placement": device.locate_address(src).device}
+import hixl
+from hixl.client.mooncake import TransferEngine
+facade, te, extra = hixl.Hixl(), TransferEngine(), dev_alloc(1 << 20)
+assert facade.initialize("127.0.0.1") == hixl.SUCCESS
+status, handle = facade.register_mem(hixl.MemDesc(extra, 4096), hixl.MemType.MEM_DEVICE)
+out["hixl"] = [int(status), handle.copier.device if handle is not None else None]
+facade.finalize()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+out["mooncake_te"] = [te.register_memory(extra + 4096, 4096), te.get_last_error()]
+te.close()
 with Engine("127.0.0.1", {"EnableUseFabricMem": fabric}) as engine:
     engine.connect(agent, timeout=10)
     (seg,) = [s for s in engine.segments(agent) if s.name == "kv"]
@@ -598,6 +608,7 @@ def test_cuda_copier_bindings_against_a_host_memory_driver(agent, fabric: str,
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["placement"] == "cuda:0" and out["copier"] == "CudaCopier cuda:0"
+    assert out["hixl"] == [0, "cuda:0"] and out["mooncake_te"][0] == 0, out
     assert (out["route"] == "fabric") == (fabric == "1")
     assert out["d2rh"] and out["rh2d"] and out["async"] == "COMPLETED"
     assert out["freed"].startswith("ParamInvalid") and "no longer cuda:0" in out["freed"]
