@@ -716,6 +716,15 @@ class ClientProtocol:
         return (_pack(MAGIC, VERSION, opcode, 0, 0, 0, epoch, rid, segment_id, addr, length),
                 _pack(MAGIC, VERSION, _REPLY, 0, 0, 0, 0, rid, 0, 0, data))
 
+    def take(self, opcode: int, length: int) -> int:
+        """Number one WRITE or READ of `length` bytes that the caller encodes itself (the
+        compiled lone op, hixl._fastwire: the same frame as `request`); its request id."""
+        rid = self._next_id
+        self._next_id = rid + 1
+        self._opcodes.append(opcode)
+        self._lengths.append(length if opcode == _READ else 0)
+        return rid
+
     def answered_ok(self) -> None:
         """The oldest outstanding request got exactly the OK reply `request` returned."""
         self._answered(1)

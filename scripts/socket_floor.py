@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where one small op on the unix socket path spends its time, and what C would buy.
+"""Where one small op on the unix socket path spends its time, and what C buys.
 
     .venv/bin/python scripts/socket_floor.py [--ops 3000] [--rounds 5] [--size 4096]
 
@@ -11,11 +11,15 @@ with the system's `gcc` into a temporary directory, starts a private `hixl-agent
 runs, in one process and in rounds interleaved so the machine's load hits all alike:
 
 - raw python:        the raw Python socket stream (8-byte header, the payload, an 8-byte ack)
-- Engine->agent:     what users run: `Engine.transfer` of one op to the agent
-- SocketTransport->agent: the transport alone (no engine resolve or accounting)
-- py+C single->agent: Python calls one C function per op (header, sendmsg, recv, check)
-- C loop->agent:     the whole loop in C: the agent's cost alone
-- ...->C srv:        the same clients against a C server: the client's cost alone
+- Engine->agent:     what users run: `Engine.transfer` of one op to the agent, with
+                     hixl._fastwire (hixl/_fastwire.c: the lone op in C on both sides)
+- Engine[py]->agent[py]: the same with HIXL_FASTWIRE=0 on both sides (pure Python)
+- SocketTransport->agent: the transport alone (no engine resolve or accounting), C both
+                     sides; [py] marks a side in pure Python (a second agent runs with
+                     HIXL_FASTWIRE=0, a transport is made with it off)
+- py+C single->agent[py]: the prototype: one C function per op against the Python agent
+- C loop->agent / C loop->agent[py]: the whole client loop in C: the agent's cost alone
+- ...->C srv:        the same clients against the prototype's C server: the client's cost
 
 For each: the median over rounds of the p50 wall time per op, and the CPU per op of the
 calling thread and of the whole server process (all its threads, from schedstat): CPU
@@ -45,6 +49,7 @@ import numpy as np
 from hixl import wire
 from hixl.client.bench import AgentProcess
 from hixl.client.engine import Engine
+from hixl.transports import tcp
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport
 from hixl.types import MemType, Perm, SegmentInfo, TransferOp, TransferOpDesc
@@ -113,6 +118,10 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=4096, help="bytes per op (<= 16 KiB)")
     args = parser.parse_args()
     size = args.size
+    if tcp.FASTWIRE is None:
+        print("socket_floor: hixl._fastwire is not built (no compiler at install time) or "
+              "HIXL_FASTWIRE=0: nothing to compare", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="hixl-floor-") as workdir:
         fastwire = build_extension(workdir)
         server_buffer = np.zeros(1 << 20, np.uint8)
@@ -131,43 +140,81 @@ def main() -> int:
             fastwire.serve(conn.fileno(), server_buffer.ctypes.data, server_buffer.nbytes)
 
         agent = AgentProcess(pool_bytes=64 << 20)
+        os.environ["HIXL_FASTWIRE"] = "0"  # the second agent answers in pure Python
+        try:
+            agent_py = AgentProcess(pool_bytes=64 << 20)
+        finally:
+            del os.environ["HIXL_FASTWIRE"]
         children: list[int] = []
         try:
-            name = agent.wait_ready()
+            agents = (agent.proc.pid, agent.wait_ready(), agent_py.proc.pid,
+                      agent_py.wait_ready())
             raw_path, c_path = os.path.join(workdir, "raw.sock"), os.path.join(workdir, "c.sock")
             children += [fork_server(raw_path, raw_serve), fork_server(c_path, c_serve)]
-            return run(args, fastwire, agent.proc.pid, name, raw_path, c_path, *children,
-                       server_buffer)
+            return run(args, fastwire, agents, raw_path, c_path, *children, server_buffer)
         finally:
             for pid in children:
                 os.kill(pid, 9)
                 os.waitpid(pid, 0)
             agent.stop()
+            agent_py.stop()
 
 
-def run(args: argparse.Namespace, fastwire: Any, agent_pid: int, name: str, raw_path: str,
-        c_path: str, raw_pid: int, c_pid: int, server_buffer: np.ndarray) -> int:
-    size = args.size
-    engine = Engine("127.0.0.1", {"EnableUseFabricMem": "0"})  # the unix socket path
+def engine_to(name: str, size: int, local: np.ndarray) -> tuple[Engine, SegmentInfo, str]:
+    """An engine connected to agent `name` (the unix socket path: checked), one segment
+    there, `local` registered, one op done; and the agent's socket address."""
+    engine = Engine("127.0.0.1", {"EnableUseFabricMem": "0"})
     engine.connect(name)
     segment = engine.allocate(name, 1 << 20, "rw", "socket-floor")
-    local = np.zeros(1 << 20, np.uint8)
     engine.register(local)
-    local_addr = local.ctypes.data
-    descs = [TransferOpDesc(local_addr, segment.base, size)]
-    engine.transfer(name, TransferOp.WRITE, descs, 5)
-    data_address = engine.route(name, segment.base)  # "unix": checked below
+    engine.transfer(name, TransferOp.WRITE, [TransferOpDesc(local.ctypes.data, segment.base,
+                                                            size)], 5)
+    data_address = engine.route(name, segment.base)
     assert str(data_address) == "unix", data_address
-    # a transport of our own to the agent: its pooled connection is the one C drives
-    to_agent = SocketTransport(engine._peers[name].socket_address, identity="socket-floor")
+    return engine, segment, engine._peers[name].socket_address
+
+
+def transport_to(address: str, item: Item, fast: bool) -> SocketTransport:
+    """A transport of our own (lone ops in C or in Python), its pooled connection open."""
+    saved = tcp.FASTWIRE
+    if not fast:
+        tcp.FASTWIRE = None
+    try:
+        transport = SocketTransport(address, identity="socket-floor")
+    finally:
+        tcp.FASTWIRE = saved
+    transport.transfer(TransferOp.WRITE, [item], time.monotonic() + 5)
+    return transport
+
+
+def run(args: argparse.Namespace, fastwire: Any, agents: tuple[int, str, int, str],
+        raw_path: str, c_path: str, raw_pid: int, c_pid: int, server_buffer: np.ndarray) -> int:
+    size = args.size
+    agent_pid, name, agent_py_pid, name_py = agents
+    local = np.zeros(1 << 20, np.uint8)
+    local_addr = local.ctypes.data
+    engine, segment, address = engine_to(name, size, local)
+    saved, tcp.FASTWIRE = tcp.FASTWIRE, None  # a pure-Python engine: its transports too
+    try:
+        engine_py, segment_py, address_py = engine_to(name_py, size, local)
+    finally:
+        tcp.FASTWIRE = saved
+    descs = [TransferOpDesc(local_addr, segment.base, size)]
+    descs_py = [TransferOpDesc(local_addr, segment_py.base, size)]
     item = Item(0, local_addr, segment, segment.base, size)
-    to_agent.transfer(TransferOp.WRITE, [item], time.monotonic() + 5)
+    item_py = Item(0, local_addr, segment_py, segment_py.base, size)
+    to_agent = transport_to(address, item, True)
+    py_to_agent = transport_to(address, item, False)
+    to_agent_py = transport_to(address_py, item_py, True)
+    py_to_agent_py = transport_to(address_py, item_py, False)
+    # pooled connections of our own transports: the ones the prototype's C drives
     agent_fd = to_agent._idle[0].sock.fileno()
+    agent_py_fd = to_agent_py._idle[0].sock.fileno()
     c_segment = SegmentInfo(1, "c", "n", server_buffer.ctypes.data, server_buffer.nbytes,
                             MemType.MEM_HOST, Perm.RW, 1, False)
-    to_c = SocketTransport(f"unix://{c_path}", identity="socket-floor")
     c_item = Item(0, local_addr, c_segment, c_segment.base, size)
-    to_c.transfer(TransferOp.WRITE, [c_item], time.monotonic() + 5)
+    to_c = transport_to(f"unix://{c_path}", c_item, True)
+    py_to_c = transport_to(f"unix://{c_path}", c_item, False)
     c_conn = socket.socket(socket.AF_UNIX)
     c_conn.connect(c_path)
     c_conn.sendall(wire.hello(0))
@@ -217,12 +264,27 @@ def run(args: argparse.Namespace, fastwire: Any, agent_pid: int, name: str, raw_
             cases: list[tuple[str, Callable[[int], list[int]], int]] = [
                 ("raw python", timed(raw_op(opcode)), raw_pid),
                 ("Engine->agent", timed(lambda op=op: engine.transfer(name, op, descs, 5)), agent_pid),
+                ("Engine[py]->agent[py]", timed(
+                    lambda op=op: engine_py.transfer(name_py, op, descs_py, 5)), agent_py_pid),
                 ("SocketTransport->agent", timed(
                     lambda op=op: to_agent.transfer(op, [item], time.monotonic() + 5)), agent_pid),
-                ("py+C single->agent", timed(c_single(opcode, agent_fd, segment)), agent_pid),
+                ("SocketTransport[py]->agent[py]", timed(
+                    lambda op=op: py_to_agent_py.transfer(op, [item_py], time.monotonic() + 5)),
+                 agent_py_pid),
+                ("SocketTransport->agent[py]", timed(
+                    lambda op=op: to_agent_py.transfer(op, [item_py], time.monotonic() + 5)),
+                 agent_py_pid),
+                ("SocketTransport[py]->agent", timed(
+                    lambda op=op: py_to_agent.transfer(op, [item], time.monotonic() + 5)),
+                 agent_pid),
+                ("py+C single->agent[py]", timed(c_single(opcode, agent_py_fd, segment_py)),
+                 agent_py_pid),
+                ("C loop->agent[py]", c_loop(opcode, agent_py_fd, segment_py), agent_py_pid),
                 ("C loop->agent", c_loop(opcode, agent_fd, segment), agent_pid),
                 ("SocketTransport->C srv", timed(
                     lambda op=op: to_c.transfer(op, [c_item], time.monotonic() + 5)), c_pid),
+                ("SocketTransport[py]->C srv", timed(
+                    lambda op=op: py_to_c.transfer(op, [c_item], time.monotonic() + 5)), c_pid),
                 ("py+C single->C srv", timed(c_single(opcode, c_conn.fileno(), c_segment)), c_pid),
                 ("C loop->C srv", c_loop(opcode, c_conn.fileno(), c_segment), c_pid),
             ]
@@ -240,9 +302,10 @@ def run(args: argparse.Namespace, fastwire: Any, agent_pid: int, name: str, raw_
     for label, rounds in results.items():
         columns = [statistics.median(r[i] for r in rounds) for i in range(3)]
         print(f"{label:34s} {columns[0]:7.1f} {columns[1]:14.1f} {columns[2]:14.1f}")
-    for transport in (to_agent, to_c):
+    for transport in (to_agent, py_to_agent, to_agent_py, py_to_agent_py, to_c, py_to_c):
         transport.close()
     engine.close()
+    engine_py.close()
     return 0
 
 

@@ -1,8 +1,9 @@
 # Sourced by scripts/test.sh and scripts/serve.sh: make the repo's .venv ready, once.
 #
 # Creates .venv (with $PYTHON, default python3) when it is missing or broken, and runs
-# `pip install -e '.[$HIXL_EXTRAS]'` (default: test; empty: none) only when the venv is new or pyproject.toml
-# or the extras changed since the last install: a stamp file in the venv records both.
+# `pip install -e '.[$HIXL_EXTRAS]'` (default: test; empty: none) only when the venv is new or pyproject.toml,
+# setup.py, the C extension's source (hixl/_fastwire.c, built by that install when a compiler
+# is there) or the extras changed since the last install: a stamp file in the venv records both.
 # Progress goes to stderr so that the caller's stdout stays its own.
 
 hixl_ensure_venv() {
@@ -18,7 +19,7 @@ hixl_ensure_venv() {
     # CI adds "mooncake" and "torch" to measure against them
     local extras=${HIXL_EXTRAS-test}
     local hash have=""
-    hash=$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)
+    hash=$(cat "$root/pyproject.toml" "$root/setup.py" "$root/hixl/_fastwire.c" | sha256sum | cut -d' ' -f1)
     [[ -f $stamp ]] && have=$(<"$stamp")
     # hixl alone is in every install of this pyproject, whatever extras came with it
     if [[ $have != "$hash $extras" && ! ( -z $extras && $have == "$hash "* ) ]]; then

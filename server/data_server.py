@@ -50,6 +50,7 @@ from hixl.server.connections import (
     Stalled,
     ThreadPerConnection,
 )
+from hixl.transports import tcp
 from hixl.transports.tcp import Buffer, BufferQueue, tune_socket
 
 log = logging.getLogger("hixl.data")
@@ -110,6 +111,9 @@ class DataServer(ThreadPerConnection):
             raise ConfigError(f"unix socket path {unix_path!r} must be absolute")
         self._resolve = resolve
         self._epoch = epoch
+        #: hixl._fastwire: authenticated connections answer lone WRITE/READ frames in C
+        #: (`_Connection._serve_fast`); None: in Python (no compiler, HIXL_FASTWIRE=0)
+        self.fast = tcp.FASTWIRE
         self._tcp_host = tcp_host
         self._tcp_port = tcp_port
         self._unix_path = unix_path
@@ -307,13 +311,24 @@ class _Connection:
         replies = self.replies
         windows = self.run_windows
         on_header_at, ring, view = proto.on_header_at, self.ring, self.view
+        fast = self.server.fast
         while True:
             start = self.start
             if self.end - start < wire.HEADER_SIZE:
                 # no view of a segment survives while the thread may block for the next
                 # frame: an idle connection must not keep a deregistered segment mapped
                 action = target = window = None
-                if not self._read_header():
+                if (fast is not None and start == self.end and proto.authenticated
+                        and (self.drained or not (replies or self.run_count))):
+                    # the socket held nothing more when last read (or nothing is gathered):
+                    # what _read_header would do, answer now, then wait in C
+                    if self.run_count:
+                        self._close_run()
+                    if replies:
+                        self._flush()
+                    if not self._serve_fast(fast):
+                        return
+                elif not self._read_header():
                     return
                 start = self.start
             action = on_header_at(ring, start)
@@ -386,6 +401,56 @@ class _Connection:
                 return
             if len(replies) >= _FLUSH_BUFFERS or self.reply_bytes >= _FLUSH_BYTES:
                 self._flush()
+
+    def _serve_fast(self, fast: object) -> bool:
+        """Wait for the next frame in C (hixl._fastwire.serve), which answers lone accepted
+        WRITE/READ frames itself, one after another, as `_answer_one` does; the first frame
+        it does not serve (a batch, a refusal, a handshake or control frame, a payload that
+        did not come whole with its header) is left in the ring for the Python loop, as if
+        `_read_header` had read it. False on EOF between frames.
+
+        Only between frames of an authenticated connection with nothing gathered, so the
+        replies stay in order. Memory: see hixl/_fastwire.c (checks and a WRITE's copy under
+        the GIL, the segment pinned by a view for the whole op, as on the Python path).
+        """
+        want = wire.HEADER_SIZE if self.exact else _RING
+        self.exact = False
+        serve = fast.serve  # type: ignore[attr-defined]
+        while True:
+            status, n = serve(self.sock.fileno(), self.ring, want, self.server._resolve,
+                              self.proto.peer_identity, self._counted)
+            if status == 0:  # HANDBACK: ring[:n] holds what Python serves next
+                self.started = _monotonic()
+                self.start, self.end = 0, n
+                self.drained = n < want
+                return n >= wire.HEADER_SIZE or self._read_header()
+            if status == 1:  # IDLE: SO_RCVTIMEO passed with nothing read
+                if self.server._stopping:
+                    raise Stalled("header stalled after 0 bytes")
+                continue
+            if status == 2:  # EOF between frames
+                return False
+            if status == 3:  # STALLED: SO_SNDTIMEO passed with nothing sent
+                raise Stalled("peer stopped reading replies")
+            raise OSError(n, os.strerror(n))
+
+    def _counted(self, opcode: int, size: int, seconds: float) -> None:
+        """Count one op answered in C (published before its reply leaves, as `_answer_one`
+        counts); `seconds`: from its frame's arrival to now, its latency observation."""
+        read, write = self.traffic
+        with self.server._lock:
+            counters = self.server.counters
+            if opcode == _WRITE:
+                counters["ops_write"] += 1
+                counters["bytes_written"] += size
+                write.ops += 1
+                write.bytes += size
+            else:
+                counters["ops_read"] += 1
+                counters["bytes_read"] += size
+                read.ops += 1
+                read.bytes += size
+        (write if opcode == _WRITE else read).latency.observe(seconds)
 
     def _answer_one(self, opcode: int, rid: int, size: int, window: memoryview | None) -> None:
         """Answer a lone accepted request at once: the socket held nothing after it and

@@ -23,6 +23,7 @@ from conftest import random_items
 from hixl import errors, wire
 from hixl.memory import ShmSegment
 from hixl.server.data_server import DataServer
+from hixl.transports import tcp
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport
 from hixl.types import MemType, Perm, SegmentInfo, TransferOp
@@ -54,6 +55,17 @@ class Served:
 
     def resolve(self, segment_id: int) -> wire.ServedSegment | None:
         return self.table.get(segment_id)
+
+
+@pytest.fixture(autouse=True, params=["python", "fastwire"])
+def wire_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: the lone op in pure Python, and in C (hixl._fastwire) on both
+    sides; read by each DataServer and SocketTransport when it is made."""
+    if request.param == "python":
+        monkeypatch.setattr(tcp, "FASTWIRE", None)
+    elif tcp.FASTWIRE is None:
+        pytest.skip("hixl._fastwire is not built here (or HIXL_FASTWIRE=0)")
+    return request.param
 
 
 @pytest.fixture

@@ -11,7 +11,9 @@ CALL, a truncated or oversized payload), half-handshakes. After each connection:
 ended (no hang), the replies were well-formed frames, the agent is alive and logged no
 unexpected exception, every canary byte is intact, segment bytes changed only where a
 WRITE header in the stream pointed, and a legitimate client still gets a PUT/GET round
-trip byte for byte.
+trip byte for byte. The same checks hold for frames sent one at a time, each waiting for
+its reply (`lone_agent`): there the agent answers lone WRITE/READ frames in C
+(hixl._fastwire) and hands everything else to Python; run with it and with HIXL_FASTWIRE=0.
 """
 
 from __future__ import annotations
@@ -113,12 +115,15 @@ class Segment:
 class FuzzAgent:
     """The agent process, its segments, and the test's own view of their memory."""
 
-    def __init__(self, token: bytes | None) -> None:
+    def __init__(self, token: bytes | None, fastwire: str | None = None) -> None:
+        """`fastwire`: HIXL_FASTWIRE for the agent ("0": lone ops in Python); None: as here."""
         self.token = token
         self.workdir = tempfile.mkdtemp(prefix="hxf-")
         self.stderr_path = os.path.join(self.workdir, "agent.err")
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("HIXL_AGENT_", "HIXL_CLUSTER_TOKEN"))}
+        if fastwire is not None:
+            env["HIXL_FASTWIRE"] = fastwire
         layout = json.dumps([(off, length, int(perms)) for off, length, perms in SEGMENTS])
         with open(self.stderr_path, "w", encoding="utf-8") as err:
             self.proc = subprocess.Popen(
@@ -212,6 +217,15 @@ def open_agent() -> Iterator[FuzzAgent]:
 @pytest.fixture(scope="module")
 def token_agent() -> Iterator[FuzzAgent]:
     agent = FuzzAgent(TOKEN)
+    yield agent
+    agent.close()
+
+
+@pytest.fixture(scope="module", params=["1", "0"], ids=["fastwire", "python"])
+def lone_agent(request: pytest.FixtureRequest) -> Iterator[FuzzAgent]:
+    """An open agent answering lone ops in C ("1", when hixl._fastwire is built) or in
+    Python ("0")."""
+    agent = FuzzAgent(None, request.param)
     yield agent
     agent.close()
 
@@ -488,6 +502,57 @@ def check_one_connection(agent: FuzzAgent, stream: Stream, transport: str) -> by
 TRANSPORTS = st.sampled_from(["tcp", "unix"])
 
 
+def answered_alone(frame: bytes) -> bool:
+    """Whether the agent answers `frame`, sent alone after a handshake, with one reply (or
+    by closing) without waiting for more bytes: False for a payload announced longer than
+    what came (the agent waits for the rest, or for the next frames as its payload)."""
+    if len(frame) < HEADER_SIZE:
+        return False
+    fields = HEADER.unpack_from(frame)
+    opcode, length = fields[2], fields[10]
+    if fields[0] != MAGIC or fields[1] != VERSION:
+        return True  # closed with a BAD_FRAME reply
+    if opcode in (Op.WRITE, Op.HELLO, Op.AUTH, Op.REPLY, Op.CALL) and length <= MAX_PAYLOAD:
+        return len(frame) - HEADER_SIZE >= length
+    return True
+
+
+def lock_step(sock: socket.socket, frames: list[bytes]) -> tuple[bytes, bool]:
+    """Send each frame alone and read its one reply before the next (so the agent finds it
+    alone on the stream: the path answered in C); from the first frame the agent cannot
+    answer alone, or once it closed, the rest goes as one stream. Returns what came back
+    and whether the agent reset the connection; the agent must never hang."""
+    sock.settimeout(DEADLINE_S)
+    received = bytearray()
+    at = 0
+    try:
+        while at < len(frames) and answered_alone(frames[at]):
+            sock.sendall(frames[at])
+            at += 1
+            header = recv_exact_or_eof(sock, HEADER_SIZE)
+            received += header
+            if len(header) < HEADER_SIZE:
+                return bytes(received), False
+            payload = recv_exact_or_eof(sock, wire.payload_length(wire.decode_header(header)))
+            received += payload
+    except (ConnectionResetError, BrokenPipeError):
+        return bytes(received), True
+    except TimeoutError:
+        pytest.fail("the agent neither answered a lone frame nor closed: it hung")
+    rest, reset = exchange(sock, [b"".join(frames[at:])])
+    return bytes(received) + rest, reset
+
+
+def recv_exact_or_eof(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
 @fuzz_settings(150)
 @given(stream=streams, transport=TRANSPORTS)
 def test_hostile_connections_never_hurt_the_agent(open_agent: FuzzAgent, stream: Stream,
@@ -509,6 +574,26 @@ def test_without_the_token_nothing_is_written(token_agent: FuzzAgent, stream: St
     assert_memory_intact(token_agent, before, bytearray(BUFFER_SIZE))  # not one byte
     legit_round_trip(token_agent, transport, len(data))
     token_agent.assert_healthy()
+
+
+@fuzz_settings(100)
+@given(frames=streams.map(lambda stream: stream.frames), transport=TRANSPORTS)
+def test_lone_hostile_frames_never_hurt_the_agent(lone_agent: FuzzAgent, frames: list[Spec],
+                                                  transport: str) -> None:
+    """The hostile frames one at a time after a handshake, each alone on the stream: the
+    agent's lone-op path (C with hixl._fastwire) serves or refuses each, or hands it to
+    Python, with the same guarantees as for pipelined streams."""
+    before = lone_agent.snapshot()
+    hello = bytearray(wire.hello(1, b"fuzzer"))
+    hello[4:6] = wire.FLAG_RUN.to_bytes(2, "big")
+    data = [bytes(hello)] + [materialize(spec, lone_agent) for spec in frames]
+    with lone_agent.connect(transport) as sock:
+        replies, reset = lock_step(sock, data)
+    assert assert_replies_well_formed(replies, reset) >= 1
+    lone_agent.assert_healthy()
+    assert_memory_intact(lone_agent, before, writable_mask(b"".join(data), lone_agent))
+    legit_round_trip(lone_agent, transport, len(frames))
+    lone_agent.assert_healthy()
 
 
 def test_many_hostile_connections_at_once(open_agent: FuzzAgent) -> None:

@@ -1,6 +1,6 @@
-"""scripts/socket_floor.py (issue 14's prototype measurement) keeps running: it builds its
-C extension, drives the agent and the C server through every case, and prints a figure
-for each. A smoke run with few ops: the figures themselves are the script's output, not
+"""scripts/socket_floor.py (issue 14's measurement) keeps running: it builds its prototype
+C extension, drives agents (with hixl._fastwire and with HIXL_FASTWIRE=0) and the C server
+through every case, and prints a figure for each. A smoke run with few ops: the figures themselves are the script's output, not
 asserted here (no timing thresholds in tests)."""
 
 from __future__ import annotations
@@ -14,14 +14,20 @@ from pathlib import Path
 
 import pytest
 
+from hixl.transports import tcp
+
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("raw python", "Engine->agent", "SocketTransport->agent", "py+C single->agent",
-         "C loop->agent", "SocketTransport->C srv", "py+C single->C srv", "C loop->C srv")
+CASES = ("raw python", "Engine->agent", "Engine[py]->agent[py]", "SocketTransport->agent",
+         "SocketTransport[py]->agent[py]", "SocketTransport->agent[py]",
+         "SocketTransport[py]->agent", "py+C single->agent[py]", "C loop->agent[py]",
+         "C loop->agent", "SocketTransport->C srv", "SocketTransport[py]->C srv",
+         "py+C single->C srv", "C loop->C srv")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None or not os.path.exists(
-    os.path.join(sysconfig.get_paths()["include"], "Python.h")),
-    reason="the prototype needs gcc and Python.h (a dev tool, not part of hixl)")
+    os.path.join(sysconfig.get_paths()["include"], "Python.h")) or tcp.FASTWIRE is None,
+    reason="the prototype needs gcc and Python.h (a dev tool, not part of hixl), and "
+           "compares with hixl._fastwire (built by pip when they are there)")
 def test_socket_floor_prototype_measures_every_case() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "socket_floor.py"),
                              "--ops", "50", "--rounds", "1"],

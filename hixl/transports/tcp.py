@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import operator
+import os
 import select
 import socket
 import struct
@@ -80,6 +81,23 @@ _view_from_memory.restype = ctypes.py_object
 _view_from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 _PYBUF_READ = 0x100
 _PYBUF_WRITE = 0x200
+
+
+def _load_fastwire() -> object | None:
+    """hixl._fastwire, the lone op in C (hixl/_fastwire.c, built by pip when a compiler is
+    there); None without it, or with HIXL_FASTWIRE=0 (the same path in pure Python)."""
+    if os.environ.get("HIXL_FASTWIRE", "1").strip() == "0":
+        return None
+    try:
+        from hixl import _fastwire
+    except ImportError:
+        return None
+    return _fastwire
+
+
+#: The compiled lone-op path, or None: read when a transport (or a data server) is made,
+#: so a test can set it to None to run the pure-Python path in the same process.
+FASTWIRE = _load_fastwire()
 
 
 def local_view(addr: int, length: int, *, writable: bool) -> memoryview:
@@ -214,9 +232,10 @@ class _Connection:
     so it never blocks in a send while replies pile up.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, fast: object | None = None) -> None:
         self.sock = sock
         self.proto = wire.ClientProtocol()
+        self._fast = fast  # hixl._fastwire: `single` runs in C (None: in Python)
         self._fd = sock.fileno()
         self._poll = select.poll()
         self._poll.register(self._fd, select.POLLIN)
@@ -253,21 +272,25 @@ class _Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
 
     def single(self, opcode: int, segment_id: int, epoch: int, addr: int,
-               local: memoryview, deadline: float) -> HixlError | None:
+               local_addr: int, length: int, deadline: float) -> HixlError | None:
         """One WRITE or READ frame with blocking calls: the request (header and payload)
         in one `sendmsg`, then the reply: its header read exactly, then a READ's data
         straight into `local` (up to _COPY_MAX, the data is read with the header into the
-        scratch and copied once the header says OK). Returns the refusal, if any.
+        scratch and copied once the header says OK). `local_addr`, `length`: the local
+        memory (checked by the Engine). Returns the refusal, if any.
 
         Why not the poll loop: a single frame cannot deadlock (the agent reads all of it
         before it answers), and for a small op the readiness round trips and the
         non-blocking retries were most of its cost. Every call is bounded by the deadline
         (`_arm`); raises _StreamLost like `exchange`.
         """
-        length = len(local)
-        header, ok = self.proto.request(opcode, segment_id, epoch, addr, length)
         self.replied = 0
         self.refusals = []
+        if self._fast is not None:
+            return self._single_fast(opcode, segment_id, epoch, addr, local_addr, length,
+                                     deadline)
+        local = local_view(local_addr, length, writable=opcode == _READ)
+        header, ok = self.proto.request(opcode, segment_id, epoch, addr, length)
         sock = self.sock
         try:
             self._arm(deadline)
@@ -293,15 +316,7 @@ class _Connection:
             if self._scratch.startswith(ok):
                 self.proto.answered_ok()
             else:
-                reply = self.proto.on_reply_header(self._head)
-                if reply.flags & wire.FLAG_ERROR_TEXT:
-                    if got > reply.length:
-                        raise wire.ProtocolError(wire.Reason.BAD_FRAME,
-                                                 "bytes after an error reply")
-                    text = self._view[wire.HEADER_SIZE:wire.HEADER_SIZE + reply.length]
-                    self._recv_rest(text, deadline, got)
-                    self.replied = 1
-                    return wire.reply_error(reply, bytes(text))
+                return self._other_reply(opcode, local, got, deadline)
             if opcode == _READ:
                 if got:  # came with the header (never more than asked: `length`)
                     local[:got] = self._view[wire.HEADER_SIZE:wire.HEADER_SIZE + got]
@@ -309,6 +324,53 @@ class _Connection:
                     self._recv_rest(local, deadline, got)
         except (OSError, wire.ProtocolError) as exc:
             raise self._broken(exc) from None
+        self.replied = 1
+        return None
+
+    def _single_fast(self, opcode: int, segment_id: int, epoch: int, addr: int,
+                     local_addr: int, length: int, deadline: float) -> HixlError | None:
+        """`single` in one C call (hixl._fastwire.single): the same frame, the same
+        deadline-bounded blocking calls, the same check of the reply against the expected
+        OK. A reply that is not that OK comes back with its header in the scratch and is
+        decoded here, in Python, as on the Python path (`_other_reply`); so are the errors."""
+        rid = self.proto.take(opcode, length)
+        status, extra, self._armed = self._fast.single(  # type: ignore[attr-defined]
+            self._fd, opcode, rid, segment_id, epoch, addr, local_addr, length,
+            self._scratch, deadline, self._armed)
+        if status == 0:  # OK: the reply was exactly the expected one
+            self.proto.answered_ok()
+            self.replied = 1
+            return None
+        if status == 2:  # TIMEOUT
+            raise self._lost("timeout", "deadline passed")
+        if status == 3:  # CLOSED
+            raise self._lost("closed", "peer closed the connection")
+        if status == 4:  # ERRNO
+            raise self._broken(OSError(extra, os.strerror(extra))) from None
+        try:  # OTHER: a refusal, or a reply to decode fully
+            local = local_view(local_addr, length, writable=opcode == _READ)
+            return self._other_reply(opcode, local, extra, deadline)
+        except (OSError, wire.ProtocolError) as exc:
+            raise self._broken(exc) from None
+
+    def _other_reply(self, opcode: int, local: memoryview, got: int, deadline: float
+                     ) -> HixlError | None:
+        """A lone op's reply whose header (in the scratch, `got` bytes after it) is not the
+        expected OK: decoded and checked fully; returns the refusal it carries, if any."""
+        length = len(local)
+        reply = self.proto.on_reply_header(self._head)
+        if reply.flags & wire.FLAG_ERROR_TEXT:
+            if got > reply.length:
+                raise wire.ProtocolError(wire.Reason.BAD_FRAME, "bytes after an error reply")
+            text = self._view[wire.HEADER_SIZE:wire.HEADER_SIZE + reply.length]
+            self._recv_rest(text, deadline, got)
+            self.replied = 1
+            return wire.reply_error(reply, bytes(text))
+        if opcode == _READ:
+            if got:  # came with the header (never more than asked: `length`)
+                local[:got] = self._view[wire.HEADER_SIZE:wire.HEADER_SIZE + got]
+            if got != length:
+                self._recv_rest(local, deadline, got)
         self.replied = 1
         return None
 
@@ -580,6 +642,7 @@ class SocketTransport(Transport):
                                f"{stripe_min_bytes}")
         self._stripes = stripes
         self._stripe_min_bytes = stripe_min_bytes
+        self._fast = FASTWIRE  # a lone op's frame in C (hixl._fastwire), or None: Python
         # a lone op up to this size takes the blocking single-frame path (never striped)
         self._single_max = min(SINGLE_MAX, frame_limit,
                                stripe_min_bytes - 1 if stripes > 1 else SINGLE_MAX)
@@ -663,14 +726,14 @@ class SocketTransport(Transport):
         """
         writing = op == TransferOp.WRITE
         segment = item.segment
-        local = local_view(item.local_addr, item.length, writable=not writing)
         retried = False
         while True:
             conn = self._acquire(deadline, [item.index], check_idle=retried)
             assert conn is not None
             try:
                 error = conn.single(_WRITE if writing else _READ, segment.segment_id,
-                                    segment.epoch, item.remote_addr, local, deadline)
+                                    segment.epoch, item.remote_addr, item.local_addr,
+                                    item.length, deadline)
             except _StreamLost as lost:
                 self._release(conn, reusable=False)
                 if conn.pooled and not retried and lost.kind != "timeout" \
@@ -960,7 +1023,7 @@ class SocketTransport(Transport):
             if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
                 reason = "connection refused (no agent listening there)"
             raise PeerUnavailable(f"cannot connect to {self.address}: {reason}") from None
-        conn = _Connection(sock)
+        conn = _Connection(sock, self._fast)
         challenge = bytearray(auth.NONCE_SIZE)  # filled only if the agent asks for the token
         frames = _Frames([-1], [conn.proto.hello(self._identity, runs=True)], None, [memoryview(challenge)])
         try:

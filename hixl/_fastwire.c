@@ -1,0 +1,505 @@
+/* hixl._fastwire: the socket data path's lone op in C, on both sides (docs/architecture.md §6).
+ *
+ * An optional build (setup.py): without a compiler hixl runs the same path in Python, and
+ * HIXL_FASTWIRE=0 forces that (hixl.transports.tcp.FASTWIRE). This is a second
+ * implementation of hixl/wire.py's hot path, kept in step by tests/test_fastwire.py, which
+ * compares the bytes both build and parse.
+ *
+ * Client: single() sends one WRITE or READ frame (header, and a WRITE's payload, in one
+ * sendmsg) and reads its reply: a reply that is byte for byte the expected OK finishes here
+ * (a READ's data lands in the caller's memory); any other reply is handed back to Python
+ * (hixl.wire.ClientProtocol.on_reply_header), which decodes it and builds the typed error.
+ * Every blocking call is bounded by SO_RCVTIMEO/SO_SNDTIMEO armed from the deadline, the
+ * way hixl.transports.tcp._Connection._arm does; the GIL is released around each syscall.
+ *
+ * Agent: serve() answers lone WRITE/READ frames of one authenticated connection, one after
+ * another, until a frame is anything else: that frame's bytes are handed back to the
+ * Python loop (server/data_server.py), which serves it as before. A frame is served here
+ * only when it is alone on the stream (one receive brought exactly it) and accepted by the
+ * same checks as wire.ServerProtocol.on_header_at (magic, version, opcode, length, a
+ * segment the agent's resolve() returns, its epoch, bounds, permission, allow-list); a
+ * refusal is Python's to answer, so reply codes and texts are the Python path's.
+ *
+ * Memory safety (issue 14, item 3): the checks, the pin and a WRITE's copy run with the GIL
+ * held, so no deregister (Python) interleaves with them. The segment's memory is pinned for
+ * the whole op by a memoryview on it, exactly as the Python path's window pins it: the
+ * agent's unmap of a deregistered segment is refused (BufferError, deferred) while a view
+ * exists, so memory is never unmapped under a memmove or a sendmsg. The GIL is released
+ * only around the blocking recv and send calls. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define HDR 48
+#define MAGIC 0x4858
+#define VERSION 1
+#define OP_WRITE 2
+#define OP_READ 3
+#define OP_REPLY 4
+#define MAX_PAYLOAD (64ULL << 20)
+#define COPY_MAX (16 << 10) /* a lone READ up to this is read with its reply header */
+#define ARM_MIN_S 0.01
+#define ARM_MAX_S 3600.0
+
+/* single() statuses */
+#define S_OK 0
+#define S_OTHER 1   /* a reply that is not the expected OK: its header is in the scratch */
+#define S_TIMEOUT 2 /* the deadline passed */
+#define S_CLOSED 3  /* EOF */
+#define S_ERRNO 4   /* a socket error, errno in the second field */
+/* serve() statuses */
+#define V_HANDBACK 0 /* n bytes in the ring, for Python to serve */
+#define V_IDLE 1     /* SO_RCVTIMEO passed with nothing read */
+#define V_EOF 2      /* EOF between frames */
+#define V_STALLED 3  /* SO_SNDTIMEO passed with nothing sent */
+#define V_ERRNO 4    /* a socket error */
+
+/* ------------------------------------------------------------------ the header */
+
+static inline void put16(unsigned char *p, uint16_t v) { p[0] = v >> 8; p[1] = v; }
+static inline void put32(unsigned char *p, uint32_t v) {
+    p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v;
+}
+static inline void put64(unsigned char *p, uint64_t v) {
+    put32(p, (uint32_t)(v >> 32)); put32(p + 4, (uint32_t)v);
+}
+static inline uint16_t get16(const unsigned char *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+static inline uint32_t get32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+static inline uint64_t get64(const unsigned char *p) {
+    return (uint64_t)get32(p) << 32 | get32(p + 4);
+}
+
+/* wire.HEADER ("!HBBHHIIQQQQ"): magic, version, opcode, flags, reason, status, epoch,
+ * request_id, segment_id, addr, length */
+static void build(unsigned char *h, unsigned opcode, unsigned flags, unsigned reason,
+                  uint32_t status, uint32_t epoch, uint64_t rid, uint64_t segment,
+                  uint64_t addr, uint64_t length) {
+    put16(h, MAGIC); h[2] = VERSION; h[3] = (unsigned char)opcode; put16(h + 4, flags);
+    put16(h + 6, reason); put32(h + 8, status); put32(h + 12, epoch); put64(h + 16, rid);
+    put64(h + 24, segment); put64(h + 32, addr); put64(h + 40, length);
+}
+
+static double monotonic(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t); /* time.monotonic()'s clock on Linux */
+    return (double)t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* A syscall interrupted by a signal: let Python run its handlers (needs the GIL). -1: one
+ * raised (the exception is set). */
+static int interrupted(void) {
+    int rc;
+    PyGILState_STATE g = PyGILState_Ensure();
+    rc = PyErr_CheckSignals();
+    PyGILState_Release(g);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ client: single() */
+
+typedef struct {
+    int fd;
+    double deadline, armed;
+} conn_t;
+
+/* _Connection._arm: bound the next blocking call by the deadline; -1 once it has passed,
+ * -2 on a setsockopt error (errno set). */
+static int arm(conn_t *c) {
+    double remaining = c->deadline - monotonic();
+    if (remaining <= 0) return -1;
+    if (c->armed > 0 && c->armed <= remaining && c->armed * 4 >= remaining) return 0;
+    double value = remaining > 2 * ARM_MIN_S ? (remaining / 2 < ARM_MAX_S ? remaining / 2 : ARM_MAX_S)
+                                             : remaining;
+    struct timeval tv;
+    tv.tv_sec = (time_t)value;
+    long usec = (long)((value - (double)tv.tv_sec) * 1e6);
+    tv.tv_usec = usec > 0 ? usec : (tv.tv_sec ? 0 : 1);
+    if (setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) ||
+        setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv))
+        return -2;
+    c->armed = value;
+    return 0;
+}
+
+/* Send every byte of iov[0..cnt) (modified in place). Returns a status (S_OK, S_TIMEOUT,
+ * S_ERRNO with *err) or -1 with a Python exception set (a signal handler raised). */
+static int send_all(conn_t *c, struct iovec *iov, int cnt, int *err) {
+    while (cnt) {
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = iov; m.msg_iovlen = cnt;
+        ssize_t s = sendmsg(c->fd, &m, MSG_NOSIGNAL);
+        if (s < 0) {
+            if (errno == EINTR) { if (interrupted()) return -1; continue; }
+            if (errno == EAGAIN || errno == EWOULDBLOCK) { /* SO_SNDTIMEO: re-arm */
+                int a = arm(c);
+                if (a == -1) return S_TIMEOUT;
+                if (a == -2) { *err = errno; return S_ERRNO; }
+                continue;
+            }
+            *err = errno;
+            return S_ERRNO;
+        }
+        size_t left = (size_t)s;
+        while (cnt && left >= iov->iov_len) { left -= iov->iov_len; iov++; cnt--; }
+        if (cnt) { iov->iov_base = (char *)iov->iov_base + left; iov->iov_len -= left; }
+        if (cnt) {
+            int a = arm(c);
+            if (a == -1) return S_TIMEOUT;
+            if (a == -2) { *err = errno; return S_ERRNO; }
+        }
+    }
+    return S_OK;
+}
+
+/* Fill p[got..size) with blocking reads (_Connection._recv_rest). */
+static int recv_rest(conn_t *c, unsigned char *p, size_t size, size_t got, int *err) {
+    while (got < size) {
+        int a = arm(c);
+        if (a == -1) return S_TIMEOUT;
+        if (a == -2) { *err = errno; return S_ERRNO; }
+        ssize_t n = recv(c->fd, p + got, size - got, MSG_WAITALL);
+        if (n < 0) {
+            if (errno == EINTR) { if (interrupted()) return -1; continue; }
+            if (errno == EAGAIN || errno == EWOULDBLOCK) continue;
+            *err = errno;
+            return S_ERRNO;
+        }
+        if (n == 0) return S_CLOSED;
+        got += (size_t)n;
+    }
+    return S_OK;
+}
+
+/* single(fd, opcode, request_id, segment_id, epoch, remote_addr, local_addr, length,
+ *        scratch, deadline, armed) -> (status, extra, armed)
+ *
+ * `scratch`: the connection's writable reply buffer (at least 48 + 16 KiB). `armed`: the
+ * SO_RCVTIMEO/SO_SNDTIMEO now set (0: none), returned as it is after the call. S_OTHER:
+ * `extra` bytes followed the reply header in the scratch. S_ERRNO: `extra` is the errno. */
+static PyObject *single(PyObject *self, PyObject *args) {
+    int fd, opcode;
+    unsigned int epoch;
+    unsigned long long rid, segment, raddr, laddr, length;
+    Py_buffer scratch;
+    conn_t c;
+    if (!PyArg_ParseTuple(args, "iiKKIKKKw*dd", &fd, &opcode, &rid, &segment, &epoch, &raddr,
+                          &laddr, &length, &scratch, &c.deadline, &c.armed))
+        return NULL;
+    c.fd = fd;
+    if ((opcode != OP_WRITE && opcode != OP_READ) || length == 0 || length > MAX_PAYLOAD ||
+        scratch.len < HDR + COPY_MAX) {
+        PyBuffer_Release(&scratch);
+        PyErr_SetString(PyExc_ValueError, "single(): a WRITE or READ of 1..MAX_PAYLOAD bytes, "
+                                          "and a scratch of at least 48 + 16 KiB");
+        return NULL;
+    }
+    unsigned char header[HDR], ok[HDR];
+    build(header, opcode, 0, 0, 0, epoch, rid, segment, raddr, length);
+    build(ok, OP_REPLY, 0, 0, 0, 0, rid, 0, 0, opcode == OP_READ ? length : 0);
+    unsigned char *buf = scratch.buf, *local = (unsigned char *)(uintptr_t)laddr;
+    int status = S_OK, err = 0;
+    Py_ssize_t extra = 0;
+    Py_BEGIN_ALLOW_THREADS
+    do {
+        int a = arm(&c);
+        if (a == -1) { status = S_TIMEOUT; break; }
+        if (a == -2) { status = S_ERRNO; err = errno; break; }
+        struct iovec iov[2] = {{header, HDR}, {local, (size_t)length}};
+        status = send_all(&c, iov, opcode == OP_WRITE ? 2 : 1, &err);
+        if (status) break;
+        size_t more = opcode == OP_READ && length <= COPY_MAX ? (size_t)length : 0;
+        ssize_t got;
+        for (;;) {
+            got = recv(fd, buf, HDR + more, more ? 0 : MSG_WAITALL);
+            if (got < 0 && errno == EINTR) {
+                if (interrupted()) { status = -1; break; }
+                continue;
+            }
+            break;
+        }
+        if (status) break;
+        if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK) { status = S_ERRNO; err = errno; break; }
+        if (got < HDR) { /* cut short by a timeout, EOF or a signal */
+            status = recv_rest(&c, buf, HDR, got > 0 ? (size_t)got : 0, &err);
+            if (status) break;
+            got = HDR;
+        }
+        got -= HDR;
+        if (memcmp(buf, ok, HDR)) { status = S_OTHER; extra = got; break; }
+        if (opcode == OP_READ) {
+            if (got) memcpy(local, buf + HDR, (size_t)got);
+            if ((unsigned long long)got != length)
+                status = recv_rest(&c, local, (size_t)length, (size_t)got, &err);
+        }
+    } while (0);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&scratch);
+    if (status == -1) return NULL;
+    return Py_BuildValue("(ind)", status, status == S_ERRNO ? (Py_ssize_t)err : extra, c.armed);
+}
+
+/* ------------------------------------------------------------------ agent: serve() */
+
+static PyObject *s_epoch, *s_base, *s_end, *s_readable, *s_writable, *s_allowed, *s_memory;
+
+/* a Python int attribute as u64; -1 with an exception set when it is not one */
+static int attr_u64(PyObject *obj, PyObject *name, uint64_t *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    unsigned long long x = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (x == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = x;
+    return 0;
+}
+
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (!v) return -1;
+    int t = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return t;
+}
+
+/* The memory of an accepted lone WRITE/READ, checked exactly as on_header_at accepts it
+ * (GIL held). Returns a new memoryview pinning the segment's memory and sets *at to the
+ * op's first byte; NULL without an exception when the frame is not accepted (Python then
+ * answers it: the refusal and its text are the Python path's); NULL with one on a failure. */
+static PyObject *accept_op(PyObject *resolve, PyObject *identity, int opcode,
+                           uint64_t segment_id, uint32_t epoch, uint64_t addr, uint64_t length,
+                           unsigned char **at) {
+    PyObject *key = PyLong_FromUnsignedLongLong(segment_id), *seg, *mv = NULL;
+    if (!key) return NULL;
+    seg = PyObject_CallOneArg(resolve, key);
+    Py_DECREF(key);
+    if (!seg) return NULL;
+    if (seg == Py_None) goto refuse;
+    uint64_t s_ep, base, end;
+    /* values a Python int may hold but a u64 cannot: not ours to judge */
+    if (attr_u64(seg, s_epoch, &s_ep) || attr_u64(seg, s_base, &base) ||
+        attr_u64(seg, s_end, &end)) {
+        PyErr_Clear();
+        goto refuse;
+    }
+    /* addr + length <= end, without overflow (length <= MAX_PAYLOAD) */
+    if (s_ep != epoch || addr < base || addr > end || length > end - addr) goto refuse;
+    int perm = attr_true(seg, opcode == OP_WRITE ? s_writable : s_readable);
+    if (perm < 0) goto fail;
+    if (!perm) goto refuse;
+    PyObject *allowed = PyObject_GetAttr(seg, s_allowed);
+    if (!allowed) goto fail;
+    if (allowed != Py_None) {
+        int in = PySequence_Contains(allowed, identity);
+        Py_DECREF(allowed);
+        if (in < 0) goto fail;
+        if (!in) goto refuse;
+    } else {
+        Py_DECREF(allowed);
+    }
+    PyObject *memory = PyObject_GetAttr(seg, s_memory);
+    if (!memory) goto fail;
+    mv = PyMemoryView_FromObject(memory); /* shares the segment view's buffer: the pin */
+    Py_DECREF(memory);
+    if (!mv) goto fail;
+    Py_buffer *b = PyMemoryView_GET_BUFFER(mv);
+    uint64_t offset = addr - base;
+    if (!PyBuffer_IsContiguous(b, 'C') || b->len < 0 || offset > (uint64_t)b->len ||
+        length > (uint64_t)b->len - offset || (opcode == OP_WRITE && b->readonly)) {
+        Py_CLEAR(mv); /* not the segment the checks describe: Python's to answer */
+        goto refuse;
+    }
+    *at = (unsigned char *)b->buf + offset;
+    Py_DECREF(seg);
+    return mv;
+refuse:
+    Py_DECREF(seg);
+    return NULL;
+fail:
+    Py_DECREF(seg);
+    return NULL;
+}
+
+/* serve(fd, ring, want, resolve, identity, on_op) -> (status, n)
+ *
+ * Answer lone accepted WRITE/READ frames on an authenticated connection until a receive
+ * brings anything else. Each receive asks for up to `want` bytes (the first; then the whole
+ * ring) into `ring`. V_HANDBACK: the last receive's `n` bytes are in ring[0:n], unserved.
+ * `on_op(opcode, size, seconds)` counts each served op before its reply is sent (seconds:
+ * from the frame's arrival to then); an exception from it propagates. */
+static PyObject *serve(PyObject *self, PyObject *args) {
+    int fd;
+    Py_ssize_t want;
+    Py_buffer ring;
+    PyObject *resolve, *identity, *on_op;
+    if (!PyArg_ParseTuple(args, "iw*nOOO", &fd, &ring, &want, &resolve, &identity, &on_op))
+        return NULL;
+    unsigned char *r = ring.buf;
+    if (want < HDR || want > ring.len) {
+        PyBuffer_Release(&ring);
+        PyErr_SetString(PyExc_ValueError, "serve(): want must be in [48, len(ring)]");
+        return NULL;
+    }
+    int status = V_HANDBACK;
+    ssize_t n = 0;
+    int err = 0;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        n = recv(fd, r, (size_t)want, 0);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (n < 0) {
+            if (err == EINTR) {
+                if (PyErr_CheckSignals()) goto error;
+                continue;
+            }
+            status = err == EAGAIN || err == EWOULDBLOCK ? V_IDLE : V_ERRNO;
+            n = status == V_ERRNO ? err : 0;
+            break;
+        }
+        if (n == 0) { status = V_EOF; break; }
+        double arrived = monotonic();
+        /* alone on the stream: one receive brought exactly one whole frame, less than it
+         * asked (the socket held nothing more: wire's "drained") */
+        if (n < HDR || n >= want || get16(r) != MAGIC || r[2] != VERSION) break;
+        int opcode = r[3];
+        uint64_t length = get64(r + 40);
+        if (length == 0 || length > MAX_PAYLOAD) break;
+        if (opcode == OP_WRITE ? (uint64_t)n != HDR + length : opcode != OP_READ || n != HDR)
+            break;
+        unsigned char *at = NULL;
+        PyObject *pin = accept_op(resolve, identity, opcode, get64(r + 24), get32(r + 12),
+                                  get64(r + 32), length, &at);
+        if (!pin) {
+            if (PyErr_Occurred()) goto error;
+            break; /* refused or unusual: Python answers it */
+        }
+        uint64_t rid = get64(r + 16);
+        if (opcode == OP_WRITE) { /* GIL held: no deregister runs while we copy */
+            memcpy(at, r + HDR, (size_t)length);
+            Py_CLEAR(pin); /* dropped before the reply leaves, as on the Python path */
+        }
+        PyObject *res = PyObject_CallFunction(on_op, "iKd", opcode, (unsigned long long)length,
+                                              monotonic() - arrived);
+        if (!res) { Py_XDECREF(pin); goto error; }
+        Py_DECREF(res);
+        unsigned char reply[HDR];
+        build(reply, OP_REPLY, 0, 0, 0, 0, rid, 0, 0, opcode == OP_READ ? length : 0);
+        struct iovec iov[2] = {{reply, HDR}, {at, (size_t)length}};
+        struct iovec *v = iov;
+        int cnt = opcode == OP_READ ? 2 : 1;
+        int sig = 0;
+        Py_BEGIN_ALLOW_THREADS
+        while (cnt) {
+            struct msghdr m;
+            memset(&m, 0, sizeof m);
+            m.msg_iov = v; m.msg_iovlen = cnt;
+            ssize_t s = sendmsg(fd, &m, MSG_NOSIGNAL);
+            if (s < 0) {
+                if (errno == EINTR) { if (interrupted()) { sig = 1; break; } continue; }
+                status = errno == EAGAIN || errno == EWOULDBLOCK ? V_STALLED : V_ERRNO;
+                err = errno;
+                break;
+            }
+            size_t left = (size_t)s;
+            while (cnt && left >= v->iov_len) { left -= v->iov_len; v++; cnt--; }
+            if (cnt) { v->iov_base = (char *)v->iov_base + left; v->iov_len -= left; }
+        }
+        Py_END_ALLOW_THREADS
+        Py_XDECREF(pin); /* a READ's window: the data has left */
+        if (sig) goto error;
+        if (status != V_HANDBACK) { n = status == V_ERRNO ? err : 0; break; }
+        want = ring.len; /* after a small payload the next frames are read greedily */
+    }
+    PyBuffer_Release(&ring);
+    return Py_BuildValue("(in)", status, (Py_ssize_t)n);
+error:
+    PyBuffer_Release(&ring);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ for the tests */
+
+/* header(opcode, flags, reason, status, epoch, request_id, segment_id, addr, length) -> the
+ * 48 bytes wire.HEADER.pack(MAGIC, VERSION, ...) makes */
+static PyObject *header(PyObject *self, PyObject *args) {
+    unsigned int opcode, flags, reason, status, epoch;
+    unsigned long long rid, segment, addr, length;
+    if (!PyArg_ParseTuple(args, "IIIIIKKKK", &opcode, &flags, &reason, &status, &epoch, &rid,
+                          &segment, &addr, &length))
+        return NULL;
+    if (opcode > 0xff || flags > 0xffff || reason > 0xffff) {
+        PyErr_SetString(PyExc_OverflowError, "header(): a field out of its range");
+        return NULL;
+    }
+    unsigned char h[HDR];
+    build(h, opcode, flags, reason, status, epoch, rid, segment, addr, length);
+    return PyBytes_FromStringAndSize((const char *)h, HDR);
+}
+
+/* unpack(buffer) -> the 11 fields wire.HEADER.unpack gives */
+static PyObject *unpack(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE)) return NULL;
+    if (b.len != HDR) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "unpack(): 48 bytes");
+        return NULL;
+    }
+    const unsigned char *p = b.buf;
+    PyObject *t = Py_BuildValue("(IIIIIIIKKKK)", get16(p), p[2], p[3], get16(p + 4),
+                                get16(p + 6), get32(p + 8), get32(p + 12),
+                                (unsigned long long)get64(p + 16),
+                                (unsigned long long)get64(p + 24),
+                                (unsigned long long)get64(p + 32),
+                                (unsigned long long)get64(p + 40));
+    PyBuffer_Release(&b);
+    return t;
+}
+
+static PyMethodDef methods[] = {
+    {"single", single, METH_VARARGS, "One WRITE/READ frame and its reply (client side)."},
+    {"serve", serve, METH_VARARGS, "Answer lone accepted WRITE/READ frames (agent side)."},
+    {"header", header, METH_VARARGS, "The 48-byte header wire.py packs."},
+    {"unpack", unpack, METH_O, "The fields of a 48-byte header."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "hixl._fastwire",
+                                    "The socket data path's lone op in C (optional build).",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__fastwire(void) {
+#define INTERN(var, text) if (!(var = PyUnicode_InternFromString(text))) return NULL
+    INTERN(s_epoch, "epoch");
+    INTERN(s_base, "base");
+    INTERN(s_end, "end");
+    INTERN(s_readable, "readable");
+    INTERN(s_writable, "writable");
+    INTERN(s_allowed, "allowed");
+    INTERN(s_memory, "memory");
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "HEADER_SIZE", HDR) ||
+        PyModule_AddIntConstant(m, "COPY_MAX", COPY_MAX) ||
+        PyModule_AddIntConstant(m, "OK", S_OK) || PyModule_AddIntConstant(m, "OTHER", S_OTHER) ||
+        PyModule_AddIntConstant(m, "TIMEOUT", S_TIMEOUT) ||
+        PyModule_AddIntConstant(m, "CLOSED", S_CLOSED) ||
+        PyModule_AddIntConstant(m, "ERRNO", S_ERRNO) ||
+        PyModule_AddIntConstant(m, "HANDBACK", V_HANDBACK) ||
+        PyModule_AddIntConstant(m, "IDLE", V_IDLE) || PyModule_AddIntConstant(m, "EOF", V_EOF) ||
+        PyModule_AddIntConstant(m, "STALLED", V_STALLED) ||
+        PyModule_AddIntConstant(m, "SOCKET_ERROR", V_ERRNO)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
