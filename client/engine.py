@@ -657,6 +657,7 @@ class Engine:
         device other than the copier's), its range checked live on the device. It is the
         local side of transfers only: peers cannot target it (agents serve host memory)."""
         copier = self._device.copier_for(placement, what)
+        readonly = False
         if isinstance(memory, int) and not isinstance(memory, bool):
             addr, nbytes, keepalive = memory, int(length or 0), None
         elif placement is not None and not placement.is_host:
@@ -664,7 +665,7 @@ class Engine:
             keepalive = memory
         else:
             buf = buffer_range(memory)
-            addr, nbytes, keepalive = buf.addr, buf.length, buf.keepalive
+            addr, nbytes, keepalive, readonly = buf.addr, buf.length, buf.keepalive, buf.readonly
         if length is not None and length != nbytes:
             raise ParamInvalid(f"length {length} does not match the buffer's {nbytes} bytes")
         check_range(addr, nbytes, "local memory")
@@ -673,7 +674,8 @@ class Engine:
             existing = self._handles.get((addr, nbytes))
             if existing is not None:
                 return existing
-            handle = MemHandle(addr, nbytes, MemType.MEM_DEVICE, False, keepalive, copier=copier)
+            handle = MemHandle(addr, nbytes, MemType.MEM_DEVICE, readonly, keepalive,
+                               copier=copier)
             self._local.insert(addr, nbytes, handle)
             self._handles[(addr, nbytes)] = handle
             self._device_count += 1
