@@ -169,6 +169,7 @@ class HostStandIn(DeviceCopier):
         self.device = device
         self.before_copy = before_copy
         self.copies = 0  # copies run
+        self.settled = 0  # copies run, failed or skipped after a failure (of `queued`)
         self.host_buffers: dict[int, Any] = {}  # live host_alloc buffers by address
         self.host_allocs = 0
         self.registered: dict[int, int] = {}  # host_register'ed ranges now
@@ -193,6 +194,7 @@ class HostStandIn(DeviceCopier):
                 continue
             seq, direction, dst, src, nbytes = entry
             if self._error is not None:
+                self.settled += 1
                 continue  # a stream stops at its first failure until the next event
             try:
                 if self.before_copy is not None:
@@ -201,6 +203,7 @@ class HostStandIn(DeviceCopier):
                 self.copies += 1
             except BaseException as exc:  # noqa: BLE001 - reported at the next event
                 self._error = exc
+            self.settled += 1
 
     def _queue_copy(self, direction: str, dst: int, src: int, nbytes: int) -> None:
         if self._closed:
@@ -208,6 +211,11 @@ class HostStandIn(DeviceCopier):
         with self._seq_lock:
             seq, self._seq = self._seq, self._seq + 1
         self._queue.put((seq, direction, dst, src, nbytes))
+
+    @property
+    def queued(self) -> int:
+        """Copies queued so far."""
+        return self._seq
 
     def to_host(self, host_addr: int, device_addr: int, nbytes: int) -> None:
         self._queue_copy("to_host", host_addr, device_addr, nbytes)
@@ -500,13 +508,15 @@ class StagingRing:
         error) are waited for first. A copier that never finishes them (wedged) keeps the
         old buffer (never freed under a copy); a new one is allocated next time."""
         try:
-            for event in in_flight:
-                self.copier.wait(event, time.monotonic() + DRAIN_S)
-        except HixlError as exc:
-            if not isinstance(exc, TransferFailed) or isinstance(exc, CudaError):
-                log.error("staging ring of %s: copies did not drain (%s); its buffer is "
-                          "abandoned", self.copier.device, exc)
-                self._base = None
+            for event in in_flight:  # every one, also after one reports a failed copy
+                try:
+                    self.copier.wait(event, time.monotonic() + DRAIN_S)
+                except HixlError as exc:
+                    if not isinstance(exc, TransferFailed) or isinstance(exc, CudaError):
+                        log.error("staging ring of %s: copies did not drain (%s); its "
+                                  "buffer is abandoned", self.copier.device, exc)
+                        self._base = None
+                        break
         finally:
             self._lock.release()
 

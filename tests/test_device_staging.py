@@ -302,6 +302,30 @@ def test_peer_killed_mid_pipeline_fails_typed_and_the_ring_is_given_back(agent_p
     copier.close()
 
 
+def test_a_get_whose_copy_to_the_device_fails_drains_every_queued_copy_first(agent) -> None:
+    def before_copy(seq: int, direction: str) -> None:
+        if seq == 1:
+            raise OSError("the device refused the copy")
+
+    copier = HostStandIn(before_copy=before_copy)
+    with standin_engine(copier, slots=4) as engine:
+        engine.connect(agent.engine, timeout=10)
+        kv = kv_segment(engine, agent.engine)
+        data = pattern(8 * SLOT, 13)
+        engine.register(data)
+        engine.write(agent.engine, data, kv.base, timeout=GIVE_UP_S)
+        back = np.zeros_like(data)
+        engine.register(back, mem_type=MemType.MEM_DEVICE)
+        with pytest.raises(TransferFailed, match="refused the copy") as info:
+            engine.read(agent.engine, back, kv.base, timeout=GIVE_UP_S)
+        assert info.value.failed == [0]
+        # given back only once no copy of the call could still touch a slot
+        assert copier.settled == copier.queued and not engine._device.ring(copier).busy
+        engine.read(agent.engine, back, kv.base, timeout=GIVE_UP_S)
+        assert np.array_equal(back, data)
+    copier.close()
+
+
 def test_a_failed_device_copy_fails_the_call_typed_and_frees_the_ring(agent) -> None:
     fail = threading.Event()
 
