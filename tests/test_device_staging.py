@@ -618,14 +618,17 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler (cc) for the driver stand-in")
+CC = shutil.which("cc") or shutil.which("gcc")
+
+
+@pytest.mark.skipif(CC is None, reason="needs a C compiler (cc or gcc) for the driver stand-in")
 @pytest.mark.parametrize("fabric", ["1", "0"], ids=["mapped", "socket"])
 def test_cuda_copier_bindings_against_a_host_memory_driver(agent, fabric: str,
                                                            tmp_path: Path) -> None:
     source = tmp_path / "fake_cuda.c"
     source.write_text(FAKE_DRIVER_C)
     library = tmp_path / "libcuda.so.1"  # found by hixl.device's RTLD_NOLOAD probe by soname
-    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1",
+    subprocess.run([str(CC), "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1",
                     "-o", str(library), str(source)], check=True)
     run = subprocess.run([sys.executable, "-c", FAKE_DRIVER_RUN, str(library), agent.engine,
                           fabric], capture_output=True, text=True, timeout=120)
