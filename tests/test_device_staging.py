@@ -446,7 +446,7 @@ def test_without_a_device_copier_device_memory_is_refused_and_host_paths_unchang
 
 # The CUDA driver entry points CudaCopier calls, implemented over host memory: "device"
 # memory comes from cuMemAlloc_v2 (malloc'd; cuPointerGetAttribute calls it device memory
-# of device 0), copies are memcpy, and every handle, context push, event, pinned buffer and
+# of device 0, or 1 after fake_set_device(1)), copies are memcpy, and every handle, context push, event, pinned buffer and
 # host registration is counted, so the test can see each one balanced. It checks hixl's
 # ctypes bindings (symbols, argument types, pointer passing, the context pushed on each
 # calling thread, lifetimes), not CUDA: no copy here is asynchronous, no memory pinned.
@@ -459,9 +459,9 @@ typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 #define SLOTS 256
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-static struct { uintptr_t base; size_t size; } allocs[SLOTS], regs[SLOTS];
+static struct { uintptr_t base; size_t size; int dev; } allocs[SLOTS], regs[SLOTS];
 static __thread int depth;  /* contexts pushed on this thread */
-static int marker, initialized;
+static int marker[2], initialized, alloc_dev;  /* devices 0 and 1 */
 static long counts[8];  /* pushes-pops, retained, streams, events, host allocs, registered */
 #define LOCKED(body) do { pthread_mutex_lock(&mu); body; pthread_mutex_unlock(&mu); } while (0)
 static int find(uintptr_t p, size_t n) {
@@ -473,18 +473,18 @@ static int find(uintptr_t p, size_t n) {
 CUresult cuInit(unsigned f) { initialized = 1; return 0; }
 CUresult cuDeviceGet(int *d, int ordinal) {
     if (!initialized) return 3;
-    if (ordinal != 0) return 101;
-    *d = 0; return 0;
+    if (ordinal != 0 && ordinal != 1) return 101;
+    *d = ordinal; return 0;
 }
-CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = &marker; LOCKED(counts[1]++); return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = &marker[dev]; LOCKED(counts[1]++); return 0; }
 CUresult cuDevicePrimaryCtxRelease_v2(int dev) { LOCKED(counts[1]--); return 0; }
 CUresult cuCtxPushCurrent_v2(void *ctx) {
-    if (ctx != &marker) return 201;
+    if (ctx != &marker[0] && ctx != &marker[1]) return 201;
     depth++; LOCKED(counts[0]++); return 0;
 }
 CUresult cuCtxPopCurrent_v2(void **ctx) {
     if (depth <= 0) return 201;
-    depth--; LOCKED(counts[0]--); if (ctx) *ctx = &marker; return 0;
+    depth--; LOCKED(counts[0]--); if (ctx) *ctx = &marker[0]; return 0;
 }
 #define IN_CTX if (depth <= 0) return 201
 CUresult cuStreamCreate(void **s, unsigned f) { IN_CTX; *s = malloc(8); LOCKED(counts[2]++); return 0; }
@@ -530,14 +530,14 @@ CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     int i; LOCKED(i = find(p, 1));
     if (i < 0) return 1;
     if (attr == 2) *(unsigned *)data = 2;       /* CU_MEMORYTYPE_DEVICE */
-    else if (attr == 9) *(int *)data = 0;       /* device ordinal */
+    else if (attr == 9) *(int *)data = allocs[i].dev;  /* device ordinal */
     else return 1;
     return 0;
 }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
     void *m = malloc(n); CUresult r = 2;
     LOCKED(for (int i = 0; i < SLOTS; i++)
-        if (!allocs[i].size) { allocs[i].base = (uintptr_t)m; allocs[i].size = n; r = 0; break; });
+        if (!allocs[i].size) { allocs[i].base = (uintptr_t)m; allocs[i].size = n; allocs[i].dev = alloc_dev; r = 0; break; });
     *p = (CUdeviceptr)m; return r;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
@@ -548,6 +548,7 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     return r;
 }
 void fake_counts(long *out) { LOCKED(memcpy(out, counts, sizeof counts)); }
+void fake_set_device(int dev) { alloc_dev = dev; }  /* where cuMemAlloc_v2 allocates */
 """
 
 FAKE_DRIVER_RUN = r"""
@@ -613,6 +614,19 @@ with Engine("127.0.0.1", {"EnableUseFabricMem": fabric}) as engine:
     except HixlError as exc:
         out["freed"] = f"{type(exc).__name__}: {exc}"
     out["during"] = counts()
+    lib.fake_set_device(1)
+    other = dev_alloc(4096)  # memory of device 1: its own copier; a given one of 0 refuses it
+    out["other_device"] = engine.register(other, 4096).copier.device
+    from hixl.staging import CudaCopier
+    copier0 = CudaCopier(0)
+    try:
+        with Engine("127.0.0.1", device_copier=copier0) as pinned_to_0:
+            pinned_to_0.register(other, 4096)
+        out["mismatch"] = "accepted"
+    except HixlError as exc:
+        out["mismatch"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        copier0.close()
 out["after"] = counts()
 print(json.dumps(out))
 """
@@ -639,6 +653,9 @@ def test_cuda_copier_bindings_against_a_host_memory_driver(agent, fabric: str,
     assert (out["route"] == "fabric") == (fabric == "1")
     assert out["d2rh"] and out["rh2d"] and out["async"] == "COMPLETED"
     assert out["freed"].startswith("ParamInvalid") and "no longer cuda:0" in out["freed"]
+    assert out["other_device"] == "cuda:1"
+    assert out["mismatch"].startswith("ParamInvalid") and \
+        "is on cuda:1, but this engine's device copier streams on cuda:0" in out["mismatch"]
     during, after = out["during"], out["after"]
     assert during["ctx_pushed"] == 0 and during["events"] == 0  # every push popped, event freed
     assert during["retained"] == 1 and during["streams"] == 1  # one copier: one context, stream
