@@ -196,7 +196,7 @@ _STORE_GAUGES = (  # stats() key, metric name, help
     ("retired_bytes", "hixl_store_retired_bytes",
      "Bytes freed but held until a read lease ends."),
     ("puts_held_for_remount", "hixl_store_puts_held_for_remount",
-     "PutStart / Reserve calls waiting now for segments awaiting their remount (a master "
+     "PutStart calls waiting now for segments awaiting their remount (a master "
      "switch or restart) because nothing else has room."),
 )
 _STORE_COUNTERS = (  # stats() key, metric name, help
@@ -208,7 +208,7 @@ _STORE_COUNTERS = (  # stats() key, metric name, help
     ("released_puts", "hixl_store_released_puts",
      "Unfinished puts whose space was reclaimed."),
     ("remount_holds", "hixl_store_remount_holds",
-     "PutStart / Reserve calls held for segments awaiting their remount."),
+     "PutStart calls held for segments awaiting their remount."),
     ("remount_hold_timeouts", "hixl_store_remount_hold_timeouts",
      "Held calls whose hold ran out before the remount (answered REPLICA_IS_NOT_READY)."),
 )

@@ -6,9 +6,9 @@ connection (as the agent's data server): read a frame, check it with the sans-IO
 it), run the method through the same `StoreCalls` the gRPC servicer uses, send the
 reply. The store's calls may wait for the journal's fsync; each connection waits on its
 own thread, and concurrent commits share an fsync (the journal's group commit). A
-PutStart or Reserve that finds no room while segments await their remount (a master
-switch) is held on its connection's thread for up to REMOUNT_HOLD_S (a CALL carries no
-deadline), and allocates nothing more once its caller closed the connection (gave up).
+PutStart that finds no room while segments await their remount (a master switch) is held
+on its connection's thread for up to REMOUNT_HOLD_S (a CALL carries no deadline), and
+allocates nothing more once its caller closed the connection (gave up).
 
 A call that fails as a call (a request that does not parse, an internal error, a
 reply over wire.MAX_CALL) is answered with error text, logged once under the caller's

@@ -39,7 +39,7 @@ from hixl.v1 import store_pb2, store_pb2_grpc
 log = logging.getLogger("hixl.store")
 
 UPKEEP_EVERY_S = 0.1
-#: how long a PutStart or Reserve that finds no room while segments await their owners'
+#: how long a PutStart that finds no room while segments await their owners'
 #: remount (a master switch or restart) waits for the remount when its caller's deadline
 #: is not known (the call endpoint carries none): within a client's default 5 s master
 #: timeout, and the caller that gave up meanwhile is noticed (Hold.caller_gone)
@@ -80,7 +80,8 @@ class _Allocation:
     """One PutStart or Reserve being served, in rounds (`StoreCalls._rounds`):
     `run(todo)` asks the store for the items at indices `todo` and returns their results;
     `no_room(result)` is True for a result a remount could change; `give_up(result,
-    text)` is the answer for one held past its hold; `reply(results)` the reply."""
+    text)` is the answer for one held past its hold (or not held: `may_wait` False);
+    `reply(results)` the reply."""
 
     method: str
     count: int
@@ -88,6 +89,7 @@ class _Allocation:
     no_room: Callable[[Any], bool]
     give_up: Callable[[Any, str], Any]
     reply: Callable[[list[Any]], Any]
+    may_wait: bool = True
 
 
 class StoreCalls:
@@ -112,8 +114,10 @@ class StoreCalls:
     CACHE_WAITS = frozenset({"PutEnd", "Commit", "Remove", "UnmountSegment"})
     #: ... of which these always scan every key, persistent or not
     SCANS = frozenset({"RemoveByRegex", "RemoveAll", "ListKeys"})
-    #: methods held while segments await their remount and nothing else has room: they
-    #: take a `hold` (front ends pass their caller's deadline)
+    #: allocating methods served in rounds across a remount (docs/store.md §6): they take
+    #: a `hold` (front ends pass their caller's deadline); PutStart waits within it for
+    #: segments awaiting their remount when nothing else has room, Reserve is answered
+    #: at once then (AWAITING_REMOUNT: the client falls back to PutStart)
     HOLDING = frozenset({"PutStart", "Reserve"})
 
     def __init__(self, store: ObjectStore) -> None:
@@ -219,13 +223,14 @@ class StoreCalls:
             awaiting, total = store.remount_pending()
             if not awaiting:
                 break
-            left = hold.until - time.monotonic()
+            left = hold.until - time.monotonic() if job.may_wait else 0.0
             if left <= 0 or hold.caller_gone():
                 text = awaiting_remount_text(awaiting, total)
                 for index in todo:
                     results[index] = job.give_up(results[index], text)
-                store.count_remount_hold(timed_out=True)
-                log.warning("%s of %d item(s) failed: %s", job.method, len(todo), text)
+                if job.may_wait:
+                    store.count_remount_hold(timed_out=True)
+                    log.warning("%s of %d item(s) failed: %s", job.method, len(todo), text)
                 break
             if not held:
                 held = True
@@ -353,14 +358,20 @@ class StoreCalls:
                                                     space=replica_to_pb(r.space))
                               for r in result.reservations])
 
+        # Not held: a client may write a reservation only until its Reserve's *send* time
+        # plus three quarters of the lease (docs/store.md §2), so one granted after a wait
+        # of that long is stale on arrival. Answered at once, the client puts two-phase,
+        # and that PutStart is held for the remount.
         return _Allocation("Reserve", 1, run,
                            lambda r: r.code == ErrorCode.NO_AVAILABLE_HANDLE,
                            lambda r, text: ReserveResult(AWAITING_REMOUNT, message=text),
-                           reply)
+                           reply, may_wait=False)
 
     def reserve(self, request: store_pb2.ReserveRequest, hold: Hold | None = None,
                 ) -> store_pb2.ReserveReply:
-        """`hold` as put_start's."""
+        """Never held for a remount (see _reserve_job): with segments awaiting their
+        remount and no room elsewhere, AWAITING_REMOUNT and why, at once. `hold` is
+        accepted as put_start's, for the front ends' sake."""
         job = self._reserve_job(request)
         return self._serve(job, hold) if isinstance(job, _Allocation) else job
 
@@ -438,7 +449,9 @@ class StoreCalls:
             for m in self.store.list_segments()])
 
     def stats(self, request: store_pb2.StoreStatsRequest) -> store_pb2.StoreStatsReply:
-        return store_pb2.StoreStatsReply(stats=self.store.stats())
+        # start_fence_s: how long allocating calls still wait for the start fence (§2)
+        return store_pb2.StoreStatsReply(stats={**self.store.stats(),
+                                                "start_fence_s": self.fence_left()})
 
     def list_keys(self, request: store_pb2.ListKeysRequest) -> store_pb2.ListKeysReply:
         listing = self.store.list_keys(request.regex, request.limit)

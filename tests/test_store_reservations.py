@@ -342,6 +342,10 @@ def test_kill_9_of_the_master_between_write_and_commit(tmp_path: Path) -> None:
         assert store.put("lost", lost) == ErrorCode.RPC_FAIL
         second = MasterProcess(first.port, extra=data)
         assert eventually(lambda: store.get("kept"), lambda v: v != b"", "kept") == kept
+        # the new master's start fence over (a Reserve answered after waiting it out would
+        # be stale on arrival, and the put would take the two-phase path instead)
+        with client(second, "fence") as check:
+            eventually(check.stats, lambda s: s["start_fence_s"] == 0, "the start fence")
         assert eventually(lambda: store.put("after", after), lambda rc: rc == 0,
                           "put after restart") == 0
         assert store.get("after") == after
