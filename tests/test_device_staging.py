@@ -667,3 +667,44 @@ def test_cuda_copier_bindings_against_a_host_memory_driver(agent, fabric: str,
     assert (during["registered"], during["host_allocs"]) == ((1, 0) if fabric == "1" else (0, 1))
     assert after == {"ctx_pushed": 0, "retained": 0, "streams": 0, "events": 0,
                      "host_allocs": 0, "registered": 0}  # all given back by Engine.close
+
+
+STORE_WITH_DRIVER_RUN = r"""
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+from hixl.client.mooncake import MooncakeDistributedStore
+
+lib.cuMemAlloc_v2.argtypes = (ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t)
+pointer = ctypes.c_uint64()
+assert lib.cuMemAlloc_v2(ctypes.byref(pointer), 4096) == 0
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", sys.argv[2]) == 0
+out = {"register_buffer": store.register_buffer(pointer.value, 4096),
+       "register_error": store.get_last_error(),
+       "put_from": store.put_from("k", pointer.value, 4096),
+       "is_exist": store.is_exist("k")}
+store.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(CC is None, reason="needs a C compiler (cc or gcc) for the driver stand-in")
+def test_the_store_refuses_a_device_buffer_even_where_the_engine_serves_device_memory(
+        tmp_path: Path) -> None:
+    """The engine takes device memory once a copier serves it; the store's put_from /
+    get_into copy registered buffers on the host, so its register_buffer must still
+    refuse one (INVALID_PARAMS naming the device), and nothing is stored."""
+    from hixl.client.registry_bench import MasterProcess
+
+    source = tmp_path / "fake_cuda.c"
+    source.write_text(FAKE_DRIVER_C)
+    library = tmp_path / "libcuda.so.1"
+    subprocess.run([str(CC), "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1",
+                    "-o", str(library), str(source)], check=True)
+    with MasterProcess() as master:
+        run = subprocess.run([sys.executable, "-c", STORE_WITH_DRIVER_RUN, str(library),
+                              master.target], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["register_buffer"] == -600 and "cuda:0" in out["register_error"], out
+    assert out["put_from"] == -600 and out["is_exist"] == 0, out

@@ -913,6 +913,10 @@ class MooncakeDistributedStore:
             addr, length = _int(buffer_ptr, "buffer_ptr"), _int(size, "size")
             try:
                 check_range(addr, length, "register_buffer")
+                # The engine serves device memory (issue 21), but put_from / get_into copy
+                # registered buffers on the host: a device buffer here would be a crash
+                device.require_host(device.locate_address(addr),
+                                    f"register_buffer: [{addr:#x}, +{length})")
                 with self._lock:
                     existing = self._buffers.get(addr)
                     if existing is not None and existing.length == length:
