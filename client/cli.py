@@ -122,6 +122,9 @@ def add_bench(subparsers: Any) -> None:
                         "(default: start one here)")
     p.add_argument("--local", metavar="IP",
                    help="this side's IP for the engines (default: the one routing to the agent)")
+    p.add_argument("--local-memory", choices=bench.LOCAL_MEMORIES, default=defaults.local_memory,
+                   help="where the HIXL-style run's local side lives: host (the default), or "
+                        "cuda (a CUDA tensor, D2rH / rH2D; needs torch with CUDA)")
     p.add_argument("--mooncake", choices=("auto", "on", "off"), default=defaults.mooncake,
                    help="measure Mooncake's TransferEngine (tcp) side by side: auto = when "
                         "mooncake.engine imports (default), on = required, off = never")
@@ -187,8 +190,8 @@ def add_bench(subparsers: Any) -> None:
 def bench_config(args: argparse.Namespace) -> bench.BenchConfig:
     """The BenchConfig that `hixl bench` flags describe."""
     return bench.BenchConfig(
-        agent=args.agent, paths=args.paths, layouts=args.layouts, ops=args.ops, modes=args.modes, apis=args.apis,
-        sizes=args.sizes,
+        agent=args.agent, paths=args.paths, layouts=args.layouts, ops=args.ops, modes=args.modes,
+        apis=args.apis, local_memory=args.local_memory, sizes=args.sizes,
         batches=args.batches, seconds=args.seconds, iterations=args.iterations,
         warmup=max(0, args.warmup), depth=args.depth, max_call_bytes=args.max_call_bytes,
         timeout=args.timeout, matrix=not args.hixl_style, hixl_style=not args.no_hixl_style,

@@ -149,7 +149,10 @@ HINTS: dict[type[HixlError], str] = {
                   "not be closed",
     AlreadyConnected: "already connected to that engine: reuse the connection, or "
                       "disconnect() first",
-    Unsupported: "hixl moves host memory only: use MEM_HOST buffers",
+    Unsupported: "device memory needs a device copier: CUDA memory is served when the CUDA "
+                 "driver is loaded in this process; other accelerators and the store's "
+                 "put_from / get_into buffers take host memory only: use MEM_HOST (e.g. "
+                 "pinned host) buffers there",
     WrongServer: "dial the server the call is for: an engine name is its agent's "
                  "host:grpc_port (engine= on the 'hixl-agent serving' line, default port "
                  "50161), not its data port (data=) nor a hixl-master's port (give that to "

@@ -55,3 +55,19 @@ def test_bench_api_refuses_a_bad_value_naming_the_choices(
     assert exc.value.code == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "--api" in err and "choose from list, arrays" in err, err
+
+
+def test_bench_local_memory_reaches_the_config_and_refuses_others(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--local-memory cuda` (issue 21: the HIXL-style run with the local side on the
+    device; `--local` is the engines' IP already). The run itself needs a GPU
+    (scripts/gpu_check.sh); here the flag's parsing and its refusals."""
+    parser = cli.build_parser()
+    assert cli.bench_config(parser.parse_args(["bench"])).local_memory == "host"
+    assert cli.bench_config(parser.parse_args(
+        ["bench", "--local-memory", "cuda"])).local_memory == "cuda"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--local-memory", "npu"])
+    assert exc.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--local-memory" in err and "'host', 'cuda'" in err, err
