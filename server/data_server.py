@@ -11,6 +11,9 @@ by one run reply (`hixl.wire`), and replies are gathered and flushed together be
 thread would block, so a pipelined batch of small ops costs few system calls. A request
 that arrives alone (the last read drained the socket, nothing is gathered) is answered at
 once, in one `sendmsg`, without the run bookkeeping: the path of latency-bound small ops.
+With the optional extension hixl._fastwire, an authenticated connection waits for its next
+frame in C and answers such lone accepted WRITE/READ frames there, handing every other
+frame back to this loop (`_serve_fast`; HIXL_FASTWIRE=0 keeps it all in Python).
 
 Authentication: with a cluster token, a connection is served only after the HELLO /
 CHALLENGE / AUTH exchange of `hixl.wire` proved the token; a wrong or missing proof gets a

@@ -10,7 +10,9 @@ whose every socket call passes MSG_DONTWAIT, so sending and receiving interleave
 two socket buffers can never deadlock each other, and every wait uses what is left of
 the caller's deadline. A lone op up to SINGLE_MAX is one frame sent with one blocking
 `sendmsg` and answered by blocking reads (no readiness round trip: most of a small op's
-cost), each call bounded by SO_RCVTIMEO/SO_SNDTIMEO set from the deadline. A large batch
+cost), each call bounded by SO_RCVTIMEO/SO_SNDTIMEO set from the deadline; with the
+optional extension hixl._fastwire (hixl/_fastwire.c) that lone frame is one C call
+(`FASTWIRE`; HIXL_FASTWIRE=0 keeps it in Python). A large batch
 over TCP is striped: cut into contiguous byte ranges run at once on several pooled
 connections, one thread each (SocketTransport.transfer).
 """
