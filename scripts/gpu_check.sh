@@ -70,10 +70,11 @@ PYTHONUNBUFFERED=1 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_device_
 PYTHONUNBUFFERED=1 timeout 300 "$py" scripts/gpu_bench.py ${OUT:+--json "$OUT/gpu_bench.json"} \
     || status=$?
 # hixl bench's HIXL-style run (100 transfers of 8784 KiB per cell) with the local side on
-# the device (BenchConfig.local_memory; the CLI flag is --local-memory cuda where cli.py has it)
+# the device: `hixl bench --hixl-style --local-memory cuda`, its report checked
 PYTHONUNBUFFERED=1 timeout 300 "$py" -c '
-from hixl.client import bench
-report = bench.run_bench(bench.BenchConfig(matrix=False, local_memory="cuda", mooncake="off"))
+from hixl.client import bench, cli
+args = ["bench", "--hixl-style", "--local-memory", "cuda", "--mooncake", "off", "--no-progress"]
+report = bench.run_bench(cli.bench_config(cli.build_parser().parse_args(args)))
 print(bench.format_report(report))
 assert all(cell["local_memory"] == "cuda" for cell in report["hixl_style"])
 ' || status=$?
