@@ -252,10 +252,10 @@ def test_lone_ops_are_answered_in_c_byte_for_byte(served: Served, kind: str) -> 
     back = ShmSegment(1 << 20)
     rng = random.Random(kind)
     transport = SocketTransport(served.address(kind), identity="t")
-    ops = 0
+    ops = small = 0
     try:
         for _ in range(120):
-            length = rng.choice([1, 7, 4096, rng.randint(1, 64 << 10)])
+            length = rng.choice([1, 7, 4096, rng.randint(1, 4096), rng.randint(1, 64 << 10)])
             remote = rng.randint(0, info.length - length)
             near = rng.randint(0, local.length - length)
             data = rng.randbytes(length)
@@ -267,13 +267,15 @@ def test_lone_ops_are_answered_in_c_byte_for_byte(served: Served, kind: str) -> 
                                                       info.base + remote, length)], deadline())
             assert bytes(back.view()[near:near + length]) == data
             ops += 2
+            small += 2 if length <= 4096 else 0
     finally:
         transport.close()
     counters = served.server.counters
     assert counters["ops_write"] == counters["ops_read"] == ops // 2
     assert counters["refused"] == 0 and counters["protocol_errors"] == 0
-    # every lone op but the one right after the handshake is answered in C
-    assert served.counted[0] >= ops - 1
+    # answered in C: every small op (its frame always comes whole in one read); a larger
+    # one too, unless its WRITE outgrows the ring or comes in pieces (then Python does)
+    assert small >= 60 and served.counted[0] >= small
     read, write = served.server.traffic.pair(kind)
     assert write.ops == read.ops == ops // 2
     assert sum(write.latency.buckets) + sum(read.latency.buckets) == ops
@@ -471,7 +473,8 @@ def test_deregistering_under_lone_ops_never_touches_unmapped_memory(served: Serv
             thread.join(60)
     assert not failures, failures
     assert done[0] > 0
-    agent._retry_deferred()  # every connection is closed: no view pins anything now
+    served.server.stop()  # every connection thread has ended: no view pins anything now
+    agent._retry_deferred()
     assert agent.counters()["deferred_unmaps"] == 0
 
 
