@@ -331,6 +331,8 @@ def test_a_put_end_sent_to_a_master_that_died_fails_with_rpc_fail(
         assert started.code == ErrorCode.OK
         port = client.fast_port if fast else a.port
         assert port
+        if fast:  # else the PutEnd below goes over gRPC too (the endpoint backed off)
+            assert client.fast_calls >= 1, "put_start did not go over the call endpoint"
         # A has read all it was sent (so the bytes waiting below can only be the PutEnd)
         wait_until(lambda: not _rx_queued(port), "master A to read what it was sent")
         a.proc.send_signal(signal.SIGSTOP)  # A takes the request but never reads it
