@@ -11,6 +11,7 @@ Deadlines only prove "does not hang"; nothing here measures time.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -307,6 +308,16 @@ def test_every_master_down_fails_at_once_with_rpc_fail() -> None:
             client.put_end("k", 1)
 
 
+def _all_stopped(pid: int) -> bool:
+    """True when every thread of process `pid` is stopped (state T)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), \
+                open(f"/proc/{pid}/task/{task}/stat", encoding="ascii") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state == "T" for state in states)
+
+
 def _rx_queued(port: int) -> bool:
     """True when an established TCP connection to local `port` holds unread bytes (the
     master, stopped, has a request it has not read)."""
@@ -336,6 +347,9 @@ def test_a_put_end_sent_to_a_master_that_died_fails_with_rpc_fail(
         # A has read all it was sent (so the bytes waiting below can only be the PutEnd)
         wait_until(lambda: not _rx_queued(port), "master A to read what it was sent")
         a.proc.send_signal(signal.SIGSTOP)  # A takes the request but never reads it
+        # SIGSTOP is delivered asynchronously: a thread of A still running could read the
+        # PutEnd below (and the test would wait for it in vain): wait until all stopped
+        wait_until(lambda: _all_stopped(a.proc.pid), "master A to stop")
         outcome: dict[str, Any] = {}
 
         def put_end() -> None:
