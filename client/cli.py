@@ -29,7 +29,7 @@ EXIT_USAGE = 2  # argparse's own status for bad flags
 
 
 def _size_list(text: str) -> tuple[int, ...]:
-    from hixl.server.config import parse_size
+    from hixl.sizes import parse_size
 
     try:
         sizes = tuple(parse_size(part) for part in text.split(",") if part.strip())

@@ -411,7 +411,7 @@ class ShmemContext:
         bootstrap). `lease_ttl_ms`: how soon a killed PE leaves the global table.
         `local_paths=False` reaches same-node PEs over TCP too (tests, benchmarks).
         """
-        from hixl.server.config import parse_size
+        from hixl.sizes import parse_size
 
         if isinstance(n_pes, bool) or not isinstance(n_pes, int) or n_pes < 1:
             raise ParamInvalid(f"n_pes must be an integer >= 1, got {n_pes!r}")

@@ -910,7 +910,7 @@ def run_store_bench(config: StoreBenchConfig, progress: IO[str] | None = None
 
 def _sizes_flag(text: str) -> tuple[int, ...]:
     """argparse type of --sizes / --run-bytes: sizes like 256K,1M, refused by name."""
-    from hixl.server.config import parse_size
+    from hixl.sizes import parse_size
 
     try:
         sizes = tuple(parse_size(part) for part in text.split(",") if part.strip())

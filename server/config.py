@@ -24,7 +24,6 @@ import socket
 import stat
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import yaml
@@ -34,6 +33,7 @@ from hixl.errors import ConfigError, ParamInvalid
 from hixl.failover import parse_addresses
 from hixl.server.agent import MAX_SEGMENTS
 from hixl.server.connections import HANDSHAKE_TIMEOUT_S, PREAUTH_CONNECTIONS
+from hixl.sizes import parse_size
 from hixl.tls import ClientTLS, ServerTLS
 from hixl.types import Perm, check_allowed_engines
 
@@ -41,44 +41,6 @@ ENV_PREFIX = "HIXL_AGENT_"
 DEFAULT_GRPC_PORT = 50161
 METRICS_PORT = 9161  # the conventional port of an agent's Prometheus endpoint
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-# dd(1)-style units: K/KiB = 1024, KB = 1000 (and so on up to T).
-_UNITS: dict[str, int] = {"": 1, "b": 1}
-for _i, _letter in enumerate("kmgt", start=1):
-    _UNITS[_letter] = _UNITS[_letter + "ib"] = 1024 ** _i
-    _UNITS[_letter + "b"] = 1000 ** _i
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an int or a text like "4096", "64MiB", "1GiB", "16MB", "1.5G".
-
-    Units as in dd(1): K/KiB/M/MiB/G/GiB/T/TiB are powers of 1024, KB/MB/GB/TB powers
-    of 1000 (case-insensitive). The result must be a positive whole number of bytes.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"size must be a number of bytes or a text like '64MiB', got {value!r}")
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise ConfigError(
-                f"size {value!r} is not understood; use bytes or a unit like 64MiB, 1GiB, 16MB")
-        try:
-            exact = Decimal(match.group(1)) * _UNITS[unit]
-        except InvalidOperation:  # pragma: no cover - the regex admits only decimals
-            raise ConfigError(f"size {value!r} is not a number") from None
-        if exact != exact.to_integral_value():
-            raise ConfigError(f"size {value!r} is not a whole number of bytes")
-        number = int(exact)
-    else:
-        raise ConfigError(
-            f"size must be a number of bytes or a text like '64MiB', got {type(value).__name__}")
-    if number <= 0:
-        raise ConfigError(f"size must be positive, got {value!r}")
-    return number
 
 
 def default_runtime_dir() -> str:

@@ -56,7 +56,6 @@ from hixl.server.config import (
     describe_keys,
     keys_from_parser,
     layer_values,
-    parse_size,
     probe_bind,
 )
 from hixl.server.leadership import Candidate, LeaderGate, Leadership
@@ -79,6 +78,7 @@ from hixl.server.registry import (
 from hixl.server.store import ALLOCATION_STRATEGIES, ObjectStore, StoreOptions
 from hixl.server.store_rpc_server import BODY_TIMEOUT_S, CALL_BYTES_BUDGET, StoreCallServer
 from hixl.server.store_service import StoreCalls, add_store_service, upkeep_forever
+from hixl.sizes import parse_size
 from hixl.tls import ENV_CA_FILE, ENV_CERT_FILE, ENV_KEY_FILE, ServerTLS
 
 log = logging.getLogger("hixl.master")

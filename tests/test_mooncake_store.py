@@ -34,7 +34,7 @@ from hixl.client.mooncake import (
     ReplicateConfig,
     SoftPinAction,
 )
-from hixl.client.mooncake.store import parse_size
+from hixl.client.mooncake.store import mooncake_size as parse_size
 from hixl.client.registry_bench import MasterProcess
 from hixl.store_client import MasterClient
 from hixl.store_codes import ErrorCode

@@ -71,6 +71,7 @@ from hixl.logs import log_failure
 from hixl.memory import ShmSegment, buffer_range, copy_moves, new_bytes
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM
 from hixl.server.store import MAX_REPLICAS
+from hixl.sizes import parse_size, split_size
 from hixl.store_client import (
     ClientStatus,
     GetReplicasResult,
@@ -127,38 +128,26 @@ _REMOVE_REASONS = {
     ErrorCode.OBJECT_NOT_FOUND: "not found",
     ErrorCode.INVALID_KEY: "keys must be non-empty str of at most 4096 bytes",
 }
-_SIZE_SUFFIXES = (("kb", 1 << 10), ("mb", 1 << 20), ("gb", 1 << 30), ("tb", 1 << 40),
-                  ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40), ("b", 1))
+# Mooncake's size units are all binary: its "MB" is hixl's "MiB" (hixl.sizes)
+_MOONCAKE_BINARY_UNITS = {"kb": "kib", "mb": "mib", "gb": "gib", "tb": "tib"}
 
 
 # ---------------------------------------------------------------------------- config
 
 
-def parse_size(value: Any) -> int:
-    """Bytes from an int or a size like "16MB", "4gb", "1.5g" (binary units, as Mooncake)."""
-    if isinstance(value, bool):
-        raise ValueError(f"size must be a number of bytes, got {value!r}")
-    if isinstance(value, int):
-        size = value
-    elif isinstance(value, float) and value.is_integer():
-        size = int(value)
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        multiplier = 1
-        for suffix, factor in _SIZE_SUFFIXES:
-            if text.endswith(suffix):
-                text, multiplier = text[: -len(suffix)].strip(), factor
-                break
-        try:
-            size = int(float(text) * multiplier)
-        except ValueError:
-            raise ValueError(f"size {value!r}: expected bytes or a number with a unit "
-                             "(KB, MB, GB, TB)") from None
-    else:
-        raise ValueError(f"size must be an int or a string like '16MB', got {value!r}")
-    if size < 0:
-        raise ValueError(f"size {value!r} must not be negative")
-    return size
+def mooncake_size(value: Any) -> int:
+    """Bytes from a size in Mooncake's configuration: an int (a whole float too) or a text
+    like "16MB", "4gb", "1.5k", "64MiB"; zero is allowed (a pure client's
+    global_segment_size). Mooncake reads every unit as binary ("16MB" = 16 MiB), so
+    KB/MB/GB/TB become KiB/MiB/GiB/TiB here, at the boundary, and the rest is hixl's one
+    size parser (`hixl.sizes.parse_size`). ConfigError (a ValueError) when not a size."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str):
+        parts = split_size(value)
+        if parts is not None and parts[1] in _MOONCAKE_BINARY_UNITS:
+            value = parts[0] + _MOONCAKE_BINARY_UNITS[parts[1]]
+    return parse_size(value, allow_zero=True)
 
 
 def _parse_bool(value: Any) -> bool:
@@ -198,7 +187,7 @@ class MooncakeConfig:
             raise ValueError(f"invalid protocol {self.protocol!r}: use 'tcp' or 'rdma'")
         self.protocol = self.protocol.strip().lower()
         for name in ("global_segment_size", "local_buffer_size"):
-            setattr(self, name, parse_size(getattr(self, name)))
+            setattr(self, name, mooncake_size(getattr(self, name)))
         for name in ("local_hostname", "metadata_server", "master_server_address"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -646,7 +635,7 @@ class MooncakeDistributedStore:
         if not isinstance(protocol, str) or protocol.lower() not in PROTOCOLS:
             raise bad(f"protocol {protocol!r} is not supported: use one of {PROTOCOLS}")
         try:
-            sizes = parse_size(global_segment_size), parse_size(local_buffer_size)
+            sizes = mooncake_size(global_segment_size), mooncake_size(local_buffer_size)
         except ValueError as exc:
             raise bad(str(exc)) from None
         if isinstance(master, str) and "://" in master:
@@ -2152,4 +2141,4 @@ def _engine_in_port_range(host: str, options: dict[str, str], registry: str) -> 
 
 
 __all__ = ["BufferHandle", "MooncakeConfig", "MooncakeDistributedStore", "ObjectDataType",
-           "ReplicateConfig", "SoftPinAction", "StoreError", "bind_to_numa_node", "parse_size"]
+           "ReplicateConfig", "SoftPinAction", "StoreError", "bind_to_numa_node", "mooncake_size"]
