@@ -29,15 +29,12 @@ EXIT_USAGE = 2  # argparse's own status for bad flags
 
 
 def _size_list(text: str) -> tuple[int, ...]:
-    from hixl.sizes import parse_size
+    from hixl.sizes import parse_size_list
 
     try:
-        sizes = tuple(parse_size(part) for part in text.split(",") if part.strip())
+        return parse_size_list(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(exc.args[0]) from None
-    if not sizes:
-        raise argparse.ArgumentTypeError("give at least one size, e.g. 4K,1M")
-    return sizes
 
 
 def _int_list(text: str) -> tuple[int, ...]:

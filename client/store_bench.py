@@ -910,15 +910,12 @@ def run_store_bench(config: StoreBenchConfig, progress: IO[str] | None = None
 
 def _sizes_flag(text: str) -> tuple[int, ...]:
     """argparse type of --sizes / --run-bytes: sizes like 256K,1M, refused by name."""
-    from hixl.sizes import parse_size
+    from hixl.sizes import parse_size_list
 
     try:
-        sizes = tuple(parse_size(part) for part in text.split(",") if part.strip())
+        return parse_size_list(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if not sizes or min(sizes) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive sizes like 256K,1M, got {text!r}")
-    return sizes
 
 
 def _count_flag(text: str) -> int:
