@@ -65,8 +65,21 @@ def test_budget_refuses_and_names_sizes(agent: Agent) -> None:
 
 
 def test_unbudgeted_pool_segments(agent: Agent) -> None:
-    agent.allocate(64 * PAGE_SIZE, budgeted=False)
-    agent.allocate(16 * PAGE_SIZE)  # the pool itself is not charged
+    """The configured pool (budgeted=False) is charged neither to pool_max_bytes nor to the
+    clients' segment count: all of the budget stays for client allocations."""
+    pool = agent.allocate(64 * PAGE_SIZE, budgeted=False)  # 4x pool_max_bytes
+    assert pool.length == 64 * PAGE_SIZE and pool.shareable
+    assert agent.resolve(pool.segment_id) is not None
+    counters = agent.counters()
+    assert counters["pool_bytes_charged"] == 0 and counters["client_segments"] == 0
+    assert counters["segment_bytes"] == 64 * PAGE_SIZE
+    agent.allocate(16 * PAGE_SIZE)  # the whole budget: the pool itself is not charged
+    counters = agent.counters()
+    assert counters["pool_bytes_charged"] == 16 * PAGE_SIZE and counters["client_segments"] == 1
+    with pytest.raises(ResourceExhausted, match="pool_max_bytes"):
+        agent.allocate(PAGE_SIZE)  # the client allocation alone used the budget up
+    agent.deregister(pool.segment_id)  # dropping the pool refunds nothing it was never charged
+    assert agent.counters()["pool_bytes_charged"] == 16 * PAGE_SIZE
 
 
 @pytest.mark.parametrize("size", [0, -1, 1.5, "4096", True])
