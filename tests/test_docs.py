@@ -124,8 +124,16 @@ def test_operations_covers_ports_settings_and_sizing() -> None:
         assert f"| {gib} GiB | {blocks:,} | {blocks * 128:,} |" in text
 
 
-@pytest.mark.parametrize("path", ["README.md", "docs/architecture.md", "docs/operations.md",
-                                  "docs/errors.md"])
+DOC_PATHS = ["README.md"] + sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs"))
+                                   if name.endswith(".md"))
+
+
+def test_every_doc_page_is_checked() -> None:
+    assert {"docs/architecture.md", "docs/operations.md", "docs/errors.md",
+            "docs/benchmarks.md"} <= set(DOC_PATHS)
+
+
+@pytest.mark.parametrize("path", DOC_PATHS)
 def test_relative_links_lead_somewhere(path: str) -> None:
     text = read(path)
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
