@@ -1,4 +1,4 @@
-/* hixl._fastwire: the socket data path's lone op in C, on both sides (docs/architecture.md §6).
+/* hixl._fastwire: the socket data path's lone op in C, on both sides (docs/data-path.md §4).
  *
  * An optional build (setup.py): without a compiler hixl runs the same path in Python, and
  * HIXL_FASTWIRE=0 forces that (hixl.transports.tcp.FASTWIRE). This is a second
