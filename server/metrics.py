@@ -2,7 +2,7 @@
 
 Each function reads state the server keeps anyway (counters, tables) and builds metric
 families when a scrape asks (wrapped in `hixl.metrics.FunctionCollector`); nothing here
-runs on a data path. Metric names are listed in docs/architecture.md (Metrics).
+runs on a data path. Metric names are listed in docs/metrics.md.
 """
 
 from __future__ import annotations
