@@ -7,7 +7,7 @@ b"" when it cannot return the value; no exceptions). Every negative return is lo
 once (logger "hixl.mooncake.store") with the real reason and kept in `last_error` /
 `last_error_code`, where Mooncake often gives a bare code.
 
-How it works (see docs/architecture.md §10):
+How it works (see docs/mooncake.md §2):
 
 - the client contributes `global_segment_size` bytes of host DRAM to the pool. By
   default an agent embedded in this process serves it (`Engine("host:port")`, an shm
