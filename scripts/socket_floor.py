@@ -24,7 +24,7 @@ runs, in one process and in rounds interleaved so the machine's load hits all al
 For each: the median over rounds of the p50 wall time per op, and the CPU per op of the
 calling thread and of the whole server process (all its threads, from schedstat): CPU
 figures hold up on a loaded machine where wall times do not. The results and what they
-mean are in docs/architecture.md ("The socket path's floor"). Needs Linux, root not
+mean are in docs/benchmarks.md ("The socket path's floor"). Needs Linux, root not
 required; exits 2 without gcc or the Python headers.
 """
 
