@@ -1,5 +1,5 @@
 """The optional compiled piece: hixl._fastwire (hixl/_fastwire.c), the socket data path's
-lone op in C on both sides (docs/architecture.md §6). Everything else is in pyproject.toml.
+lone op in C on both sides (docs/data-path.md §4). Everything else is in pyproject.toml.
 
 `optional=True`: without a C compiler or the Python headers the build is skipped (with a
 warning) and hixl runs the same path in pure Python; HIXL_FASTWIRE=0 forces that too.
