@@ -45,6 +45,7 @@ from typing import IO, Any, TypeVar
 
 import numpy as np
 
+from hixl import addresses
 from hixl.errors import HixlError, TransferFailed
 from hixl.memory import ShmSegment
 from hixl.types import TransferOp, TransferOpDesc
@@ -360,11 +361,10 @@ def _raw_serve_connection(conn: socket.socket, buffer: np.ndarray) -> None:
 
 
 def split_host_port(text: str) -> tuple[str, int]:
-    """"host:port" (or "[v6]:port") -> (host, port); ValueError names what is wrong."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
+    """"host:port" (or "[v6]:port", port 0: any free one) -> (host, port); a ValueError
+    (ParamInvalid) names what is wrong."""
+    return addresses.split_host_port(text, "address", min_port=0,
+                                     no_port=f"expected HOST:PORT, got {text!r}")
 
 
 def raw_server_main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from hixl import device
+from hixl.addresses import split_host_port
 from hixl.auth import as_token, load_token
 from hixl.errors import (
     AlreadyConnected,
@@ -93,26 +94,11 @@ def parse_engine_name(name: str, *, remote: bool = False) -> tuple[str, int]:
     somewhere unrelated, so the name is refused saying what it should be."""
     if not isinstance(name, str) or not name:
         raise ParamInvalid(f"engine name must be a non-empty string like 'ip' or 'ip:port', got {name!r}")
-    if name.startswith("["):
-        host, _, rest = name[1:].partition("]")
-        if not host or (rest and not rest.startswith(":")):
-            raise ParamInvalid(f"engine name {name!r}: expected '[ipv6]' or '[ipv6]:port'")
-        port_text = rest[1:]
-    else:
-        host, _, port_text = name.partition(":")
-        if ":" in port_text:
-            raise ParamInvalid(f"engine name {name!r}: write IPv6 addresses as '[addr]:port'")
-    if not host:
-        raise ParamInvalid(f"engine name {name!r} has no host")
-    if not port_text and remote:
-        raise ParamInvalid(f"engine name {name!r} has no port: a remote engine is its "
-                           "agent's host:grpc_port (engine= on the 'hixl-agent serving' "
-                           f"line, default port 50161), e.g. '{name}:50161'")
-    if not port_text:
-        return host, 0
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ParamInvalid(f"engine name {name!r}: port must be 0-65535")
-    return host, int(port_text)
+    no_port = (f"engine name {name!r} has no port: a remote engine is its agent's "
+               "host:grpc_port (engine= on the 'hixl-agent serving' line, default port "
+               f"50161), e.g. '{name}:50161'")
+    return split_host_port(name, "engine name", default_port=None if remote else 0,
+                           min_port=0, no_port=no_port)
 
 
 def _agent_info(view: Any) -> Any:

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
+from hixl.addresses import split_host_port
 from hixl.auth import load_token
 from hixl.client.global_table import GlobalTable
 from hixl.errors import HixlError, ParamInvalid
@@ -71,7 +72,7 @@ class MasterProcess:
                  *extra],
                 stdout=subprocess.PIPE, stderr=log, text=True)
         self.target = self._wait_ready()
-        self.port = int(self.target.rsplit(":", 1)[1])
+        self.port = split_host_port(self.target)[1]
 
     def _wait_ready(self) -> str:
         assert self.proc.stdout is not None

@@ -46,7 +46,8 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
-from hixl.errors import ConfigError
+from hixl.addresses import join_host_port, split_host_port
+from hixl.errors import ConfigError, ParamInvalid
 
 log = logging.getLogger("hixl.auth")
 
@@ -320,43 +321,29 @@ BODY_MISMATCH = ("the request does not match the hixl-auth proof (its SHA-256 di
 
 # ---------------------------------------------------------------- servers' names
 
-def split_host_port(address: str) -> tuple[str, int] | None:
+def server_host_port(address: str) -> tuple[str, int] | None:
     """(host, port) of "host:port", "[v6]:port", "host" or a bare IPv6 address (port 443,
     gRPC's default), the host lower-cased, without a trailing dot, an IP in its canonical
     form; None when `address` is none of these (a unix: target, a bad port)."""
-    text = address.strip()
-    port = "443"
-    if text.startswith("["):
-        end = text.find("]")
-        host, rest = text[1:end], text[end + 1:]
-        if end < 0 or (rest and not rest.startswith(":")):
-            return None
-        if rest:
-            port = rest[1:]
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    elif ":" in text:  # several colons, no brackets: an IPv6 address alone
-        host = text
-    else:
-        host = text
+    try:
+        host, port = split_host_port(address.strip(), "server address", default_port=443,
+                                     min_port=0, bare_ipv6=True)
+    except ParamInvalid:
+        return None
     host = host.rstrip(".").lower()
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not host:
         return None
     ip = _ip(host)
     if ip is not None:
         host = str(ip)
     elif ":" in host:
         return None
-    return host, int(port)
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host, port
 
 
 def grpc_authority(target: str) -> str:
     """The server a client dials `target` at, as gRPC proofs bind it: "host:port" with the
-    host normalized (split_host_port), whatever the form of the target ("host:port",
+    host normalized (server_host_port), whatever the form of the target ("host:port",
     "[::1]:port", "dns:///host:port", "ipv4:a.b.c.d:port"...; the first of a list);
     targets without a host (unix:...) as they are."""
     text = target.strip()
@@ -369,7 +356,7 @@ def grpc_authority(target: str) -> str:
                 text = text[len(scheme):]
                 break
     text = text.split(",", 1)[0]
-    parsed = split_host_port(text) if not lowered.startswith(("unix:", "unix-abstract:")) \
+    parsed = server_host_port(text) if not lowered.startswith(("unix:", "unix-abstract:")) \
         else None
     server = join_host_port(*parsed) if parsed is not None else text
     return server if _printable(server) else urllib.parse.quote(server, safe=":[]/@")
@@ -419,7 +406,7 @@ class ServerNames:
         listed += [(name, ENV_SERVER_NAMES)
                    for name in environ.get(ENV_SERVER_NAMES, "").split(",") if name.strip()]
         for name, where in listed:
-            parsed = split_host_port(name)
+            parsed = server_host_port(name)
             if parsed is None or ":" not in name:
                 raise ConfigError(f"{where}: {name.strip()!r} is not a 'host:port' name")
             self._add_exact(join_host_port(*parsed))
@@ -431,7 +418,7 @@ class ServerNames:
 
     def listen(self, address: str, port: int) -> None:
         """The server listens on `address` ("host:port"), bound to `port`."""
-        parsed = split_host_port(address)
+        parsed = server_host_port(address)
         if parsed is None:
             self._add_exact(address)
             return
@@ -467,7 +454,7 @@ class ServerNames:
         resolved to tell (`accepts`)."""
         if server in self._exact:
             return True
-        parsed = split_host_port(server)
+        parsed = server_host_port(server)
         if parsed is None:
             return False
         host, port = parsed
@@ -483,7 +470,7 @@ class ServerNames:
         known = self.match_literal(server)
         if known is not None:
             return known
-        host, port = split_host_port(server) or ("", 0)
+        host, port = server_host_port(server) or ("", 0)
         now = time.monotonic()
         cached = self._resolved.get(host)
         if cached is not None and cached[0] > now:

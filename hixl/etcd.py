@@ -59,6 +59,7 @@ from typing import Any, Literal, TypeVar
 
 import grpc
 
+from hixl.addresses import join_host_port, split_host_port
 from hixl.errors import (
     AuthenticationFailed,
     ConfigError,
@@ -135,16 +136,10 @@ def _parse_endpoint(text: str) -> tuple[str, str]:
             raise ConfigError(f"{_setting('endpoints')}: {text!r}: scheme must be http:// "
                               "or https:// (or none)")
         raw = raw.rstrip("/")
-    host, sep, port = raw.rpartition(":")
-    if not sep or not host or any(c.isspace() for c in raw) or "/" in raw:
-        raise ConfigError(f"{_setting('endpoints')}: {text!r} is not host:port")
-    if host.startswith("[") != host.endswith("]") or (":" in host
-                                                      and not host.startswith("[")):
-        raise ConfigError(f"{_setting('endpoints')}: {text!r}: an IPv6 address goes in "
-                          "brackets, e.g. [::1]:2379")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{_setting('endpoints')}: {text!r}: port must be 1..65535")
-    return f"{host}:{int(port)}", scheme
+    host, port = split_host_port(raw, f"{_setting('endpoints')}:", error=ConfigError,
+                                 no_port=f"{_setting('endpoints')}: {text!r} is not "
+                                         "host:port (e.g. 10.0.0.1:2379)")
+    return join_host_port(host, port), scheme
 
 
 def _parse_timeout(value: object) -> float:

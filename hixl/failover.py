@@ -35,6 +35,7 @@ from typing import TypeVar
 
 import grpc
 
+from hixl.addresses import normalize_host_port
 from hixl.errors import HixlError, ParamInvalid, PeerUnavailable
 
 T = TypeVar("T")
@@ -81,21 +82,9 @@ class TryNext(Exception):
 
 
 def parse_address(text: str, what: str = "master address") -> str:
-    """One "host:port" / "[v6]:port", stripped; ParamInvalid naming it when it is not."""
-    if not isinstance(text, str):
-        raise ParamInvalid(f"{what} must be a 'host:port' string, got {text!r}")
-    entry = text.strip()
-    host, sep, port = entry.rpartition(":")
-    if "://" in entry:
-        raise ParamInvalid(f"{what} {entry!r}: give 'host:port' without a scheme")
-    if not sep or not host or any(c.isspace() for c in entry) or "/" in entry:
-        raise ParamInvalid(f"{what} {entry!r} is not 'host:port'")
-    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
-        raise ParamInvalid(f"{what} {entry!r}: an IPv6 address goes in brackets, e.g. "
-                           "[::1]:50051")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ParamInvalid(f"{what} {entry!r}: the port must be 1..65535")
-    return f"{host}:{int(port)}"
+    """One "host:port" / "[v6]:port", stripped; ParamInvalid naming it when it is not
+    (`hixl.addresses.normalize_host_port`)."""
+    return normalize_host_port(text, what)
 
 
 def parse_addresses(value: str | Iterable[str], what: str = "master address",

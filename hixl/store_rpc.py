@@ -31,7 +31,8 @@ import time
 from typing import Any
 
 from hixl import wire
-from hixl.errors import AuthenticationFailed, HixlError
+from hixl.addresses import split_host_port
+from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid
 from hixl.failover import NotLeader
 from hixl.logs import current_request_id
 from hixl.transports.tcp import tune_socket
@@ -320,10 +321,10 @@ class FastPath:
 
 def target_host(target: str) -> str | None:
     """The host of a gRPC target "host:port" / "[v6]:port" (None for other forms)."""
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or "/" in target:
+    try:
+        return split_host_port(target, min_port=0)[0]
+    except ParamInvalid:
         return None
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 __all__ = ["CONNECT_TIMEOUT_S", "CallConnection", "CallFailed", "FastPath", "MESSAGES",

@@ -28,6 +28,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from hixl.addresses import is_host_port, split_host_port
 from hixl.errors import HixlError, ParamInvalid, PeerUnavailable
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
@@ -97,7 +98,7 @@ def parse_metadata_server(text: Any) -> MetadataServer:
         return MetadataServer(value)
     if value.startswith(REGISTRY_SCHEME):
         address = value[len(REGISTRY_SCHEME):].rstrip("/")
-        if not _is_host_port(address):
+        if not is_host_port(address):
             raise refuse("does not name host:port")
         return MetadataServer(value, registry=address)
     if value.lower().startswith(HTTP_SCHEMES):
@@ -111,15 +112,9 @@ def parse_metadata_server(text: Any) -> MetadataServer:
         return MetadataServer(value, http_url=value)
     endpoints = value[len(ETCD_SCHEME):] if value.lower().startswith(ETCD_SCHEME) else value
     members = [m.strip() for m in endpoints.replace(";", ",").split(",") if m.strip()]
-    if "://" in endpoints or not members or not all(_is_host_port(m) for m in members):
+    if "://" in endpoints or not members or not all(is_host_port(m) for m in members):
         raise refuse("is not spoken")
     return MetadataServer(value, etcd_endpoints=",".join(members))
-
-
-def _is_host_port(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536
-                and not any(c.isspace() or c == "/" for c in text))
 
 
 class HttpDirectory:
@@ -246,9 +241,8 @@ def address_of(record: bytes, name: str, where: str) -> str:
 
 def answers(address: str, timeout: float) -> bool:
     """Whether something accepts connections at "host:port" (a claimed name's holder)."""
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        with socket.create_connection(split_host_port(address), timeout=timeout):
             return True
     except (OSError, ValueError):
         return False

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from hixl import auth, wire
+from hixl.addresses import split_host_port
 from hixl.errors import (
     AuthenticationFailed,
     HixlError,
@@ -167,7 +168,8 @@ def serve_blocking(sock: socket.socket, io_timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
-def parse_address(address: str) -> tuple[str, socket.AddressFamily, str | tuple[str, int]]:
+def parse_data_address(address: str,
+                       ) -> tuple[str, socket.AddressFamily, str | tuple[str, int]]:
     """"tcp://host:port" or "unix:///abs/path" -> (transport name, family, sockaddr)."""
     if address.startswith("unix://"):
         path = address[len("unix://"):]
@@ -175,12 +177,11 @@ def parse_address(address: str) -> tuple[str, socket.AddressFamily, str | tuple[
             raise ParamInvalid(f"unix data address {address!r} needs an absolute path")
         return "unix", socket.AF_UNIX, path
     if address.startswith("tcp://"):
-        host, sep, port = address[len("tcp://"):].rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ParamInvalid(f"tcp data address {address!r} is not tcp://host:port")
-        host = host.strip("[]")
+        host, port = split_host_port(
+            address[len("tcp://"):], "tcp data address",
+            no_port=f"tcp data address {address!r} is not tcp://host:port")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        return "tcp", family, (host, int(port))
+        return "tcp", family, (host, port)
     raise ParamInvalid(f"data address {address!r}: use tcp://host:port or unix:///path")
 
 
@@ -632,7 +633,7 @@ class SocketTransport(Transport):
                  max_connections: int = 4, frame_limit: int = wire.MAX_PAYLOAD,
                  cluster_token: str | bytes | None = None, stripes: int | None = None,
                  stripe_min_bytes: int = STRIPE_MIN_BYTES) -> None:
-        self.name, self._family, self._sockaddr = parse_address(address)
+        self.name, self._family, self._sockaddr = parse_data_address(address)
         if max_connections < 1:
             raise ParamInvalid(f"max_connections must be >= 1, got {max_connections}")
         if not 0 < frame_limit <= wire.MAX_PAYLOAD:
