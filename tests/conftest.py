@@ -1,8 +1,27 @@
-"""Shared fixtures: real hixl-agent processes on free ports with private runtime dirs."""
+"""Shared fixtures: real hixl-agent processes on free ports with private runtime dirs.
+
+Also sorts every test into one kind, a pytest marker (pyproject.toml lists them):
+
+    unit       no process started: in-process objects and servers only (seconds)
+    process    real daemons or other child processes (hixl-agent, hixl-master, workers)
+    multihost  simulated hosts in network namespaces (tests/netns.py; root)
+    etcd       a real etcd cluster (tests/etcd_cluster.py)
+    fuzz       the fuzzers (tests/test_fuzz_*.py)
+
+`bash scripts/test.sh` runs them all; `bash scripts/test.sh -m unit` only the unit tests.
+The kind is found, not declared (`_kind_of`): a test that reaches, through its own code,
+its fixtures or the helpers in tests/ they call, a way to start a process (subprocess,
+multiprocessing, os.fork, a hixl module that starts processes) is "process"; the first of
+multihost, etcd, fuzz that applies wins over that. A test still sorted "unit" that starts
+a process anyway fails, naming what it started (`_refuse_processes`), so "unit" stays true.
+"""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib.util
+import inspect
 import os
 import selectors
 import shutil
@@ -10,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
@@ -223,3 +243,258 @@ def random_items(rng: Any, info: Any, local: Any, count: int, max_len: int,
         remote += length
         near += length
     return items
+
+
+# ---------------------------------------------------------------------------------------
+# Tests by kind (the module docstring): markers found from what a test's code reaches.
+
+KINDS = ("unit", "process", "multihost", "etcd", "fuzz")
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+#: names whose presence in a test's code (a global, an attribute, an import) starts a process
+_SPAWN_NAMES = frozenset({"subprocess", "Popen", "multiprocessing", "fork", "forkpty",
+                          "posix_spawn", "posix_spawnp", "create_subprocess_exec",
+                          "create_subprocess_shell", "spawnv_passfds"})
+#: the tests/ helper modules that make a kind of their own
+_KIND_OF_HELPER = {"netns": "multihost", "etcd_cluster": "etcd"}
+
+
+def _in_tests(module_name: str) -> bool:
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None) or ""
+    return os.path.dirname(os.path.abspath(path)) == TESTS_DIR if path else False
+
+
+_SPAWN_WORDS = ("subprocess", "multiprocessing", "os.fork", "posix_spawn", "forkpty")
+_LIBRARY_SPAWNS: dict[str, bool] = {}
+
+
+def _library_spawns(module_name: str, _path: tuple[str, ...] = ()) -> bool:
+    """Whether a hixl module can start processes: its source names a way to, or it imports
+    (at the top or inside a function) a hixl module that can."""
+    if module_name in _LIBRARY_SPAWNS:
+        return _LIBRARY_SPAWNS[module_name]
+    if module_name in _path:  # an import cycle: decided where it started
+        return False
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        spec = None
+    origin = spec.origin if spec is not None else None
+    if not origin or not origin.endswith(".py"):
+        return False
+    with open(origin, encoding="utf-8") as f:
+        source = f.read()
+    found = any(word in source for word in _SPAWN_WORDS)
+    if not found:
+        package = module_name if origin.endswith("__init__.py") else module_name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            if any(name.startswith("hixl") and name != module_name
+                   and _library_spawns(name, (*_path, module_name)) for name in names):
+                found = True
+                break
+    _LIBRARY_SPAWNS[module_name] = found
+    return found
+
+
+class _Reach:
+    """The kinds a piece of test code reaches: its names, followed through the functions
+    and classes of tests/ it uses; library objects count by their module."""
+
+    def __init__(self) -> None:
+        self.kinds: set[str] = set()
+        self._seen: set[int] = set()
+
+    def code(self, code: Any, namespace: Mapping[str, Any]) -> None:
+        if id(code) in self._seen:
+            return
+        self._seen.add(id(code))
+        for name in code.co_names:
+            if name in _SPAWN_NAMES:
+                self.kinds.add("process")
+            if name in _KIND_OF_HELPER and _in_tests(name):
+                self.kinds.add(_KIND_OF_HELPER[name])
+            if name in namespace:
+                self.value(namespace[name])
+            elif name in sys.modules and name.startswith("hixl"):
+                self.value(sys.modules[name])
+        for const in code.co_consts:
+            if hasattr(const, "co_names"):  # nested functions, lambdas, comprehensions
+                self.code(const, namespace)
+
+    def value(self, value: Any) -> None:
+        if id(value) in self._seen:
+            return
+        if isinstance(value, ModuleType):
+            self._seen.add(id(value))
+            module_name = value.__name__
+            if module_name in _KIND_OF_HELPER and _in_tests(module_name):
+                self.kinds.add(_KIND_OF_HELPER[module_name])
+            elif _in_tests(module_name):
+                for item in vars(value).values():
+                    if getattr(item, "__module__", None) == module_name:
+                        self.value(item)
+            elif module_name.startswith("hixl") and _library_spawns(module_name):
+                self.kinds.add("process")
+            return
+        if isinstance(value, (dict, list, tuple, set, frozenset)) and len(value) <= 1000:
+            self._seen.add(id(value))  # e.g. a table of backends a fixture picks from
+            for element in (value.values() if isinstance(value, dict) else value):
+                self.value(element)
+            return
+        value = getattr(value, "__func__", value)  # static/class methods
+        value = getattr(value, "fget", value)  # properties
+        with contextlib.suppress(ValueError):  # decorated (contextmanager, functools.wraps)
+            value = inspect.unwrap(value) if callable(value) else value
+        module_name = getattr(value, "__module__", None)
+        if not isinstance(module_name, str):
+            return
+        if module_name in _KIND_OF_HELPER and _in_tests(module_name):
+            self.kinds.add(_KIND_OF_HELPER[module_name])
+            return
+        if module_name.startswith("hixl"):
+            if _library_spawns(module_name):
+                self.kinds.add("process")
+            return
+        if not _in_tests(module_name):
+            return
+        self._seen.add(id(value))
+        if isinstance(value, type):
+            for klass in value.__mro__:
+                if _in_tests(getattr(klass, "__module__", "")):
+                    for item in vars(klass).values():
+                        self.value(item)
+            return
+        code = getattr(value, "__code__", None)
+        if code is not None:
+            self.code(code, getattr(value, "__globals__", {}))
+
+
+def _kind_of(item: pytest.Item) -> str:
+    module_name = item.module.__name__ if isinstance(item, pytest.Function) else ""
+    markers = {mark.name for mark in item.iter_markers()}
+    for kind in KINDS:
+        if kind in markers:  # declared by hand: wins
+            return kind
+    reach = _Reach()
+    if isinstance(item, pytest.Function):
+        reach.value(item.function)
+        if item.cls is not None:
+            reach.value(item.cls)
+        info = getattr(item, "_fixtureinfo", None)
+        fixtures = list(info.name2fixturedefs.values()) if info else []
+        # fixtures asked for by name (request.getfixturevalue("name")) and their own
+        manager = item.session._fixturemanager
+        code = getattr(inspect.unwrap(item.function), "__code__", None)
+        for name in (_strings_in(code) if code is not None else ()):
+            if name.isidentifier() and name not in item.fixturenames:
+                fixtures.append(manager.getfixturedefs(name, item) or ())
+        for definitions in fixtures:
+            for definition in definitions:
+                reach.value(inspect.unwrap(definition.func))
+    else:  # not a Python function (none today): assume the worst
+        reach.kinds.add("process")
+    if "netns" in markers or "netns" in item.fixturenames:
+        reach.kinds.add("multihost")
+    if "cluster" in item.fixturenames and _fixture_is_etcd(item):
+        reach.kinds.add("etcd")
+    if module_name.startswith("test_fuzz_"):
+        reach.kinds.add("fuzz")
+    for kind in ("multihost", "etcd", "fuzz", "process"):
+        if kind in reach.kinds:
+            return kind
+    return "unit"
+
+
+def _strings_in(code: Any) -> Iterator[str]:
+    for const in code.co_consts:
+        if isinstance(const, str):
+            yield const
+        elif hasattr(const, "co_consts"):
+            yield from _strings_in(const)
+
+
+def _fixture_is_etcd(item: pytest.Item) -> bool:
+    """Whether the test's `cluster` is this file's etcd one (not a module's own)."""
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.get("cluster", ()) if info else ()
+    return bool(definitions) and inspect.unwrap(definitions[-1].func).__module__ == __name__
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(_kind_of(item))
+
+
+class _Refused(pytest.fail.Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _refuse_processes(item: pytest.Item) -> Iterator[list[str]]:
+    """While a unit test runs: starting a process from the test's own threads (the main
+    one, or any it started) fails it, naming what it started. Threads alive before it
+    (a daemon's, left by an earlier test) are not the test's, and are let through."""
+    import multiprocessing.util
+
+    before = {t.ident for t in threading.enumerate()} - {threading.main_thread().ident}
+    started: list[str] = []
+    patches: list[tuple[Any, str, Any]] = []
+
+    def refuse(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() in before:
+                return original(*args, **kwargs)
+            what = f"{getattr(owner, '__name__', owner)}.{name}"
+            started.append(what)
+            raise _Refused(f"{item.nodeid} is a unit test (tests/conftest.py) but started a "
+                           f"process ({what}): unit tests start none; if it must, make it a "
+                           f"process test: @pytest.mark.process", pytrace=True)
+
+        patches.append((owner, name, original))
+        setattr(owner, name, refused)
+
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        if hasattr(os, name):
+            refuse(os, name)
+    refuse(subprocess.Popen, "_execute_child")
+    refuse(multiprocessing.util, "spawnv_passfds")
+    try:
+        yield started
+    finally:
+        for owner, name, original in reversed(patches):
+            setattr(owner, name, original)
+
+
+def _unit_wrapper(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    with _refuse_processes(item) as started:
+        result = yield
+    if started:  # refused, but the refusal was swallowed on the way
+        pytest.fail(f"{item.nodeid} is a unit test but tried to start processes "
+                    f"({', '.join(started)}): make it a process test (@pytest.mark.process)",
+                    pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    return (yield from _unit_wrapper(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _unit_wrapper(item))

@@ -289,7 +289,13 @@ class Opened:
         return again, again.load()
 
 
-@pytest.fixture(params=sorted(PLACES))
+#: a place's test kind (tests/conftest.py), declared here: PLACES holds both kinds (a
+#: place not listed gets the kind the conftest finds)
+PLACE_KINDS = {"local": pytest.mark.unit, "etcd": pytest.mark.etcd}
+
+
+@pytest.fixture(params=[pytest.param(name, marks=PLACE_KINDS.get(name, ()))
+                        for name in sorted(PLACES)])
 def opened(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opened]:
     opener = Opened(PLACES[request.param](tmp_path))
     yield opener
