@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import select
 import socket
@@ -24,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from hixl import fd_wire
 from hixl.auth import as_token
 from hixl.control import error_class, error_from_rpc, open_channel, segment_from_pb
 from hixl.errors import (
@@ -251,7 +251,6 @@ def _perm(perms: Perm) -> Perm:
 # ---------------------------------------------------------------- fd socket
 
 _TIMEVAL = struct.Struct("ll")
-_REPLY_MAX = 8192
 
 
 _HANGUP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
@@ -315,47 +314,31 @@ class FdClient:
         PermissionDenied; unknown segments ParamInvalid; stale epochs StaleEpoch.
         """
         reply, fds = self._request(
-            {"op": "get_fd", "segment_id": segment_id, "epoch": epoch, "write": bool(writable),
-             "engine": self.engine}, f"fetch fd of segment {segment_id}")
-        fields = [reply.get(name, 0) for name in ("length", "offset", "slot")]
-        if len(fds) != 1 or "length" not in reply or not all(
-                type(value) is int and value >= 0 for value in fields):
-            for fd in fds:
-                os.close(fd)
-            raise PeerUnavailable(
-                f"agent fd socket {self.path}: malformed get_fd reply {reply!r} "
-                f"with {len(fds)} fds")
-        return FdGrant(fds[0], *fields)
+            fd_wire.GetFd(segment_id, epoch, bool(writable), self.engine),
+            f"fetch fd of segment {segment_id}")
+        assert isinstance(reply, fd_wire.FdGranted)
+        return FdGrant(fds[0], reply.length, reply.offset, reply.slot)
 
     def states(self) -> StateView:
         """A read-only view of the agent's segment liveness words (one fetch, one mmap)."""
-        reply, fds = self._request({"op": "get_states"}, "fetch segment states")
-        capacity = reply.get("capacity")
+        reply, fds = self._request(fd_wire.GetStates(), "fetch segment states")
+        assert isinstance(reply, fd_wire.StatesGranted)
         try:
-            if len(fds) != 1 or type(capacity) is not int or capacity <= 0:
-                raise PeerUnavailable(f"agent fd socket {self.path}: malformed get_states "
-                                      f"reply {reply!r} with {len(fds)} fds")
-            return StateView(fds[0], capacity)
+            return StateView(fds[0], reply.capacity)
         finally:
-            for fd in fds:
-                os.close(fd)
+            os.close(fds[0])
 
     def deposit(self, fd: int, length: int) -> str:
         """Hand `fd` to the agent (it gets its own copy); returns a ticket for RegisterSegment."""
-        reply, fds = self._request({"op": "deposit", "length": length}, "deposit fd",
-                                   send_fd=fd)
-        for extra in fds:
-            os.close(extra)
-        ticket = reply.get("ticket")
-        if not isinstance(ticket, str):
-            raise PeerUnavailable(f"agent fd socket {self.path}: no ticket in {reply!r}")
-        return ticket
+        reply, _ = self._request(fd_wire.Deposit(length), "deposit fd", send_fd=fd)
+        assert isinstance(reply, fd_wire.Deposited)
+        return reply.ticket
 
     def ping(self) -> dict[str, Any]:
-        reply, fds = self._request({"op": "ping"}, "ping")
-        for extra in fds:
-            os.close(extra)
-        return reply
+        """{"ok": True, "epoch": E, "engine": "host:port"} of the agent serving the socket."""
+        reply, _ = self._request(fd_wire.Ping(), "ping")
+        assert isinstance(reply, fd_wire.Pong)
+        return {"ok": True, "epoch": reply.epoch, "engine": reply.engine}
 
     def alive(self) -> bool:
         """True while the agent end is open: no round trip, about a microsecond.
@@ -396,19 +379,23 @@ class FdClient:
 
     # ------------------------------------------------------------ internals
 
-    def _request(self, request: dict[str, Any], what: str, send_fd: int | None = None
-                 ) -> tuple[dict[str, Any], list[int]]:
+    def _request(self, request: fd_wire.Request, what: str, send_fd: int | None = None
+                 ) -> tuple[fd_wire.Reply, list[int]]:
+        """Send `request`, return its granted reply and exactly the fds that reply
+        carries (the caller owns them; extras are closed here); raises the agent's
+        error for a Refused, PeerUnavailable for a malformed reply."""
+        payload = fd_wire.encode_request(request)
         with self._lock:
             sock = self._sock
             if sock is None:
                 raise NotConnected(f"{what}: the fd socket client for {self.path} is closed")
-            payload = json.dumps(request).encode()
             try:
                 if send_fd is None:
                     sock.send(payload)
                 else:
                     socket.send_fds(sock, [payload], [send_fd])
-                data, fds, flags, _ = socket.recv_fds(sock, _REPLY_MAX, 4)
+                data, fds, flags, _ = socket.recv_fds(sock, fd_wire.MAX_REPLY,
+                                                      fd_wire.MAX_FDS_PER_MESSAGE)
             except (BlockingIOError, TimeoutError):
                 self._broken()
                 raise TransferTimeout(
@@ -418,29 +405,29 @@ class FdClient:
                 self._broken()
                 raise PeerUnavailable(f"{what}: agent fd socket {self.path}: {exc}") from None
         if not data:
-            for fd in fds:
-                os.close(fd)
+            _close_all(fds)
             self._broken()
             raise PeerUnavailable(f"{what}: agent fd socket {self.path} closed the connection "
                                   "(agent stopped or died)")
         try:
-            reply = json.loads(data)
-            if not isinstance(reply, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            for fd in fds:
-                os.close(fd)
-            raise PeerUnavailable(
-                f"{what}: agent fd socket {self.path} sent a malformed reply") from None
+            reply = fd_wire.decode_reply(data, request, len(fds))
+        except fd_wire.MalformedReply as exc:
+            _close_all(fds)
+            if exc.args[0] == fd_wire.NOT_JSON:
+                raise PeerUnavailable(
+                    f"{what}: agent fd socket {self.path} sent a malformed reply") from None
+            if flags & socket.MSG_CTRUNC:
+                raise HixlError(f"{what}: fds were truncated (out of file descriptors?)"
+                                ) from None
+            raise PeerUnavailable(f"agent fd socket {self.path}: {exc.args[0]}") from None
         if flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                os.close(fd)
+            _close_all(fds)
             raise HixlError(f"{what}: fds were truncated (out of file descriptors?)")
-        if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
+        if isinstance(reply, fd_wire.Refused):
+            _close_all(fds)
             raise _reply_error(reply, what)
-        return reply, fds
+        _close_all(fds[reply.fds:])
+        return reply, fds[:reply.fds]
 
     def _broken(self) -> None:
         """After a timeout or I/O error the request/reply pairing is lost: drop the socket."""
@@ -450,10 +437,14 @@ class FdClient:
                 sock.close()
 
 
-def _reply_error(reply: dict[str, Any], what: str) -> HixlError:
-    message = f"{what}: {reply.get('error', 'refused')}"
-    status = reply.get("status")
-    cls = error_class(str(reply.get("kind", "")))
+def _reply_error(reply: fd_wire.Refused, what: str) -> HixlError:
+    message = f"{what}: {reply.error}"
+    cls = error_class(reply.kind)
     if cls is not None:
-        return cls(message, status=status if isinstance(status, int) else None)
-    return error_for_status(status if isinstance(status, int) else 503900, message)
+        return cls(message, status=reply.status)
+    return error_for_status(503900 if reply.status is None else reply.status, message)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

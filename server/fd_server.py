@@ -1,19 +1,13 @@
 """The agent's fd socket: hands segment fds to same-node peers, takes fds from clients.
 
 A unix SOCK_SEQPACKET socket (message boundaries kept, fds carried by SCM_RIGHTS). Each
-request is one small JSON message; each reply is one JSON message, with an fd attached
-for a successful "get_fd" or "get_states":
-
-    {"op": "get_fd", "segment_id": N, "epoch": E, "write": bool, "engine": "host:port"}
-                                 -> {"ok": true, "length": L, "offset": O, "slot": S} + fd
-    {"op": "get_states"}         -> {"ok": true, "capacity": C} + fd (read-only)
-    {"op": "deposit", "length": L} + fd  -> {"ok": true, "ticket": "..."}
-    {"op": "ping"}               -> {"ok": true, "epoch": E, "engine": "host:port"}
+request is one small JSON message, each reply one JSON message, with an fd attached for a
+granted GetFd or GetStates: the messages and their codec are `hixl.fd_wire` (GetFd,
+GetStates, Deposit, Ping -> FdGranted, StatesGranted, Deposited, Pong, or Refused).
 
 A segment registered inside a bigger shared allocation is granted the allocation's fd
 with the range's `offset` in it; `slot` is its liveness word in the get_states file
 (hixl.segment_states), which peers read around every mapped copy.
-    failure -> {"ok": false, "status": <HIXL code>, "error": "...", "kind": "<HixlError class>"}
 
 Peers are checked by SO_PEERCRED uid against `allowed_uids`; a get_fd's "engine" names
 the engine asking, checked against the segment's allow-list (absent: unnamed, which a
@@ -26,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import secrets
@@ -39,6 +32,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from hixl import fd_wire
 from hixl.errors import HixlError, ParamInvalid, PermissionDenied, ResourceExhausted
 from hixl.memory import size_sealed
 from hixl.server.agent import UNSEALED, Agent
@@ -46,8 +40,8 @@ from hixl.server.data_server import Peer
 
 log = logging.getLogger("hixl.fd_server")
 
-MAX_REQUEST = 4096
-MAX_FDS_PER_MESSAGE = 4
+MAX_REQUEST = fd_wire.MAX_REQUEST
+MAX_FDS_PER_MESSAGE = fd_wire.MAX_FDS_PER_MESSAGE
 TICKET_TTL_S = 60.0
 _PEERCRED = struct.Struct("3i")
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
@@ -285,9 +279,7 @@ class FdServer:
             fds = []  # _handle took ownership of any fds it used
         except HixlError as exc:
             self.counters["fd_errors"] += 1
-            reply = {"ok": False, "status": exc.status, "error": exc.args[0],
-                     "kind": type(exc).__name__}
-            out_fd = None
+            reply, out_fd = fd_wire.Refused.of(exc), None
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -296,57 +288,34 @@ class FdServer:
         if conn.refusal:
             self._drop(conn)
 
-    def _handle(self, data: bytes, fds: list[int]) -> tuple[dict[str, object], int | None]:
-        try:
-            request = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ParamInvalid(f"request is not JSON: {exc}") from None
-        if not isinstance(request, dict):
-            raise ParamInvalid("request must be a JSON object with an 'op'")
-        op = request.get("op")
-        if op == "ping":
-            _no_fds(fds, op)
-            return {"ok": True, "epoch": self._agent.epoch, "engine": self._agent.engine_name}, None
-        if op == "get_fd":
-            _no_fds(fds, op)
-            segment_id = _int_field(request, "segment_id")
-            epoch = _int_field(request, "epoch")
-            write = request.get("write", False)
-            if not isinstance(write, bool):
-                raise ParamInvalid(f"get_fd: 'write' must be true or false, got {write!r}")
-            engine = request.get("engine", "")
-            if not isinstance(engine, str):
-                raise ParamInvalid(f"get_fd: 'engine' must be an engine name, got {engine!r}")
+    def _handle(self, data: bytes, fds: list[int]) -> tuple[fd_wire.Reply, int | None]:
+        request = fd_wire.decode_request(data, len(fds))
+        if isinstance(request, fd_wire.Ping):
+            return fd_wire.Pong(self._agent.epoch, self._agent.engine_name), None
+        if isinstance(request, fd_wire.GetFd):
             # checks the epoch first, then the allow-list and permissions
-            grant = self._agent.grant(segment_id, epoch, write, engine)
-            return {"ok": True, "length": grant.length, "offset": grant.offset,
-                    "slot": grant.slot}, grant.fd
-        if op == "get_states":
-            _no_fds(fds, op)
+            grant = self._agent.grant(request.segment_id, request.epoch, request.write,
+                                      request.engine)
+            return fd_wire.FdGranted(grant.length, grant.offset, grant.slot), grant.fd
+        if isinstance(request, fd_wire.GetStates):
             states = self._agent.states
-            return {"ok": True, "capacity": states.capacity}, states.export_fd()
-        if op == "deposit":
-            if len(fds) != 1:
-                raise ParamInvalid(f"deposit needs exactly one fd attached, got {len(fds)}")
-            length = _int_field(request, "length")
-            if length <= 0:
-                raise ParamInvalid(f"deposit: length must be positive, got {length}")
-            st = os.fstat(fds[0])
-            if not stat.S_ISREG(st.st_mode):
-                raise ParamInvalid("deposit: the fd is not a memfd or shm file")
-            if not size_sealed(fds[0]):
-                raise ParamInvalid(UNSEALED.format(what="deposit"))
-            if st.st_size < length:
-                raise ParamInvalid(
-                    f"deposit: the file holds {st.st_size} bytes, fewer than length {length}")
-            ticket = self._tickets.put(fds[0], length)
-            fds.clear()  # the ticket book owns it now
-            self.counters["fd_deposits"] += 1
-            return {"ok": True, "ticket": ticket}, None
-        raise ParamInvalid(f"unknown op {op!r}; use get_fd, get_states, deposit or ping")
+            return fd_wire.StatesGranted(states.capacity), states.export_fd()
+        length = request.length  # a Deposit, with its one fd
+        st = os.fstat(fds[0])
+        if not stat.S_ISREG(st.st_mode):
+            raise ParamInvalid("deposit: the fd is not a memfd or shm file")
+        if not size_sealed(fds[0]):
+            raise ParamInvalid(UNSEALED.format(what="deposit"))
+        if st.st_size < length:
+            raise ParamInvalid(
+                f"deposit: the file holds {st.st_size} bytes, fewer than length {length}")
+        ticket = self._tickets.put(fds[0], length)
+        fds.clear()  # the ticket book owns it now
+        self.counters["fd_deposits"] += 1
+        return fd_wire.Deposited(ticket), None
 
-    def _reply(self, conn: _Conn, reply: dict[str, object], fd: int | None) -> None:
-        payload = json.dumps(reply).encode()
+    def _reply(self, conn: _Conn, reply: fd_wire.Reply, fd: int | None) -> None:
+        payload = fd_wire.encode_reply(reply)
         try:
             if fd is None:
                 conn.sock.send(payload)
@@ -366,14 +335,3 @@ class FdServer:
             self._selector.unregister(conn.sock)
         conn.sock.close()
 
-
-def _no_fds(fds: list[int], op: str) -> None:
-    if fds:
-        raise ParamInvalid(f"{op} takes no fds, got {len(fds)}")
-
-
-def _int_field(request: dict[str, object], name: str) -> int:
-    value = request.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ParamInvalid(f"'{name}' must be a non-negative integer, got {value!r}")
-    return value
