@@ -35,7 +35,7 @@ from hixl.addresses import split_host_port
 from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid
 from hixl.failover import NotLeader
 from hixl.logs import current_request_id
-from hixl.transports.tcp import tune_socket
+from hixl.sockets import tune_socket
 from hixl.v1 import store_pb2
 
 #: method number on the wire -> gRPC method name

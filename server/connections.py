@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hixl.transports.tcp import serve_blocking
+from hixl.sockets import serve_blocking
 
 STOP_WAIT_S = 5.0  # stop(): longest wait for all threads to end
 #: seconds from accept for a connection to complete HELLO (and AUTH, with a cluster token)

@@ -53,8 +53,8 @@ from hixl.server.connections import (
     Stalled,
     ThreadPerConnection,
 )
+from hixl.sockets import Buffer, BufferQueue, tune_socket
 from hixl.transports import tcp
-from hixl.transports.tcp import Buffer, BufferQueue, tune_socket
 
 log = logging.getLogger("hixl.data")
 

@@ -19,12 +19,10 @@ connections, one thread each (SocketTransport.transfer).
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import contextlib
 import ctypes
 import errno
-import itertools
 import logging
 import math
 import operator
@@ -36,7 +34,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from hixl import auth, wire
 from hixl.addresses import split_host_port
@@ -49,18 +46,12 @@ from hixl.errors import (
     TransferFailed,
     TransferTimeout,
 )
+from hixl.sockets import IOV_MAX, Buffer, BufferQueue, tune_socket
 from hixl.transports.base import Item, Transport
 from hixl.types import TransferOp
 
 log = logging.getLogger("hixl.data")
 
-IOV_MAX = 1024  # Linux's limit on buffers per sendmsg
-# SO_SNDBUF/SO_RCVBUF per family; None keeps the kernel's choice. Unix sockets have no
-# autotuning and a ~200 KiB default: 4 MiB lets MiB-sized frames stream (measured ~1.2x on
-# loopback). TCP autotuning did as well as a fixed 4 MiB on loopback, and a fixed
-# SO_RCVBUF would cap the window on real high-latency links.
-SOCKET_BUFFERS: dict[int, int | None] = {socket.AF_INET: None, socket.AF_INET6: None,
-                                         socket.AF_UNIX: 4 << 20}
 _SCRATCH = 64 << 10  # reply headers and error texts are read through this buffer
 # Striping: a transfer moving at least STRIPE_MIN_BYTES spreads its frames over up to
 # STRIPES connections of the pool, driven together (see SocketTransport.transfer).
@@ -74,8 +65,6 @@ _STRIPE_ALIGN = 64 << 10  # lane boundaries fall on multiples of this (within th
 SINGLE_MAX = 64 << 10
 _COPY_MAX = 16 << 10  # a lone READ up to this size is read with its reply header (one call)
 _LANE_GRACE_S = 5.0  # how long past the deadline a helper lane may take to report
-
-Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias on 3.10
 
 # PyMemoryView_FromMemory wraps raw memory in a plain "B" memoryview without creating a
 # ctypes array type per length (ctypes caches those forever).
@@ -106,66 +95,6 @@ FASTWIRE = _load_fastwire()
 def local_view(addr: int, length: int, *, writable: bool) -> memoryview:
     """A memoryview over `length` bytes at `addr` (memory the Engine has checked)."""
     return _view_from_memory(addr, length, _PYBUF_WRITE if writable else _PYBUF_READ)
-
-
-class BufferQueue:
-    """Buffers that partial sends (or scatter receives) go through front to back.
-
-    Progress is one bisect over the buffers' cumulative ends, not Python work per buffer:
-    a batch of small frames is hundreds of buffers per system call.
-    """
-
-    __slots__ = ("buffers", "ends", "moved", "index")
-
-    def __init__(self, buffers: list[Buffer]) -> None:
-        self.buffers = buffers
-        self.ends = list(itertools.accumulate(map(len, buffers)))
-        self.moved = 0  # bytes sent (received) so far
-        self.index = 0  # the first buffer not wholly done
-
-    @property
-    def left(self) -> int:
-        return (self.ends[-1] if self.ends else 0) - self.moved
-
-    def chunk(self, limit: int = IOV_MAX) -> list[Buffer]:
-        """The next `limit` buffers to pass to sendmsg/recvmsg_into, the first one's rest."""
-        index = self.index
-        done = self.moved - (self.ends[index - 1] if index else 0)
-        if not done:
-            return self.buffers[index:index + limit]
-        return [memoryview(self.buffers[index])[done:], *self.buffers[index + 1:index + limit]]
-
-    def advance(self, count: int) -> int:
-        """Count `count` more bytes done; returns how many buffers they completed."""
-        self.moved += count
-        index = self.index
-        self.index = bisect.bisect_right(self.ends, self.moved, index)
-        return self.index - index
-
-
-def tune_socket(sock: socket.socket) -> None:
-    """Low latency for small frames, big buffers for bulk ones."""
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    size = SOCKET_BUFFERS.get(sock.family)
-    if size is None:
-        return
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        # capped by net.core.*mem_max, refused by odd kernels: the default still works
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, option, size)
-
-
-def serve_blocking(sock: socket.socket, io_timeout: float) -> None:
-    """An accepted server socket, tuned and blocking, where any stall longer than
-    `io_timeout` fails the call (SO_RCVTIMEO / SO_SNDTIMEO): a dead peer never holds a
-    serving thread forever, yet a healthy stream pays nothing per call for the deadline."""
-    sock.settimeout(None)
-    tune_socket(sock)
-    seconds = int(io_timeout)
-    timeval = struct.pack("ll", seconds, int((io_timeout - seconds) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 def parse_data_address(address: str,

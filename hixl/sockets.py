@@ -1,0 +1,90 @@
+"""Socket helpers the data path shares: clients (hixl.transports.tcp, the store's fast
+path hixl.store_rpc) and daemons (the agent's data server, both daemons' connection
+threads, hixl.server.connections) import them from here.
+
+`tune_socket` sets TCP_NODELAY and the per-family buffer sizes (`SOCKET_BUFFERS`);
+`serve_blocking` makes an accepted socket blocking with kernel-enforced I/O deadlines;
+`BufferQueue` walks a list of buffers through partial sendmsg/recvmsg_into calls.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import socket
+import struct
+from typing import Union
+
+IOV_MAX = 1024  # Linux's limit on buffers per sendmsg
+# SO_SNDBUF/SO_RCVBUF per family; None keeps the kernel's choice. Unix sockets have no
+# autotuning and a ~200 KiB default: 4 MiB lets MiB-sized frames stream (measured ~1.2x on
+# loopback). TCP autotuning did as well as a fixed 4 MiB on loopback, and a fixed
+# SO_RCVBUF would cap the window on real high-latency links.
+SOCKET_BUFFERS: dict[int, int | None] = {socket.AF_INET: None, socket.AF_INET6: None,
+                                         socket.AF_UNIX: 4 << 20}
+Buffer = Union[bytes, bytearray, memoryview]  # noqa: UP007 - a runtime alias on 3.10
+
+
+class BufferQueue:
+    """Buffers that partial sends (or scatter receives) go through front to back.
+
+    Progress is one bisect over the buffers' cumulative ends, not Python work per buffer:
+    a batch of small frames is hundreds of buffers per system call.
+    """
+
+    __slots__ = ("buffers", "ends", "moved", "index")
+
+    def __init__(self, buffers: list[Buffer]) -> None:
+        self.buffers = buffers
+        self.ends = list(itertools.accumulate(map(len, buffers)))
+        self.moved = 0  # bytes sent (received) so far
+        self.index = 0  # the first buffer not wholly done
+
+    @property
+    def left(self) -> int:
+        return (self.ends[-1] if self.ends else 0) - self.moved
+
+    def chunk(self, limit: int = IOV_MAX) -> list[Buffer]:
+        """The next `limit` buffers to pass to sendmsg/recvmsg_into, the first one's rest."""
+        index = self.index
+        done = self.moved - (self.ends[index - 1] if index else 0)
+        if not done:
+            return self.buffers[index:index + limit]
+        return [memoryview(self.buffers[index])[done:], *self.buffers[index + 1:index + limit]]
+
+    def advance(self, count: int) -> int:
+        """Count `count` more bytes done; returns how many buffers they completed."""
+        self.moved += count
+        index = self.index
+        self.index = bisect.bisect_right(self.ends, self.moved, index)
+        return self.index - index
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Low latency for small frames, big buffers for bulk ones."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    size = SOCKET_BUFFERS.get(sock.family)
+    if size is None:
+        return
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        # capped by net.core.*mem_max, refused by odd kernels: the default still works
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, size)
+
+
+def serve_blocking(sock: socket.socket, io_timeout: float) -> None:
+    """An accepted server socket, tuned and blocking, where any stall longer than
+    `io_timeout` fails the call (SO_RCVTIMEO / SO_SNDTIMEO): a dead peer never holds a
+    serving thread forever, yet a healthy stream pays nothing per call for the deadline."""
+    sock.settimeout(None)
+    tune_socket(sock)
+    seconds = int(io_timeout)
+    timeval = struct.pack("ll", seconds, int((io_timeout - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+__all__ = ["IOV_MAX", "SOCKET_BUFFERS", "Buffer", "BufferQueue", "serve_blocking",
+           "tune_socket"]
