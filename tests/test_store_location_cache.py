@@ -8,13 +8,13 @@ cache. Waits are for conditions, under a deadline that only guards against a han
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import pytest
+import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.registry_bench import MasterProcess
@@ -26,18 +26,8 @@ MiB = 1 << 20
 GIVE_UP_S = 30.0   # only a guard against a hang
 LEASE_MS = 1000
 
-_T = TypeVar("_T")
-
-
-def eventually(call: Callable[[], _T], done: Callable[[_T], bool], what: str) -> _T:
-    deadline = time.monotonic() + GIVE_UP_S
-    while True:
-        result = call()
-        if done(result):
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: still {result!r}")
-        time.sleep(0.05)
+#: call() until done(result): that result (tests/waiting.py)
+eventually = partial(waiting.wait_until, timeout=GIVE_UP_S, interval=0.05)
 
 
 def pattern(seed: int, size: int) -> bytes:
@@ -128,15 +118,15 @@ def test_eviction_never_takes_a_value_a_cache_may_still_read(
     for i in range(24):                                   # more than the 16 MiB pool holds
         # a full pool whose other values were all just put evicts none of them (the
         # eviction grace): NO_AVAILABLE_HANDLE until the oldest may go
-        eventually(lambda i=i: writer.put(f"fill-{i}", filler), lambda rc: rc == 0,
-                   "room once the eviction grace passed")
+        eventually(lambda i=i: writer.put(f"fill-{i}", filler),
+                   "room once the eviction grace passed", done=lambda rc: rc == 0)
     assert reader.get("kept") == kept                     # evicted around it
     with MasterClient(master.target, timeout=GIVE_UP_S) as check:
-        eventually(lambda: check.list_keys("^kept$").keys[0].lease_ms, lambda ms: ms == 0,
-                   "lease end")
+        eventually(lambda: check.list_keys("^kept$").keys[0].lease_ms, "lease end",
+                   done=lambda ms: ms == 0)
         for i in range(24, 48):                           # now it goes: least recently read
-            eventually(lambda i=i: writer.put(f"fill-{i}", filler), lambda rc: rc == 0,
-                       "room once the eviction grace passed")
+            eventually(lambda i=i: writer.put(f"fill-{i}", filler),
+                       "room once the eviction grace passed", done=lambda rc: rc == 0)
         assert check.exist_key("kept") == ErrorCode.OBJECT_NOT_FOUND
     assert reader.get("kept") == b""                      # never another value's bytes
     assert reader.last_error_code == ErrorCode.OBJECT_NOT_FOUND
