@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
 
 import numpy as np
 import pytest
+import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.registry_bench import MasterProcess
@@ -39,18 +40,8 @@ PER_ROUND = 8
 ROUNDS = 10             # hixl failed from the 4th round on before
 HAS_LEASE = int(ErrorCode.OBJECT_HAS_LEASE)
 
-_T = TypeVar("_T")
-
-
-def eventually(call: Callable[[], _T], done: Callable[[_T], bool], what: str) -> _T:
-    deadline = time.monotonic() + GIVE_UP_S
-    while True:
-        result = call()
-        if done(result):
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: still {result!r}")
-        time.sleep(0.02)
+#: call() until done(result): that result (tests/waiting.py)
+eventually = partial(waiting.wait_until, timeout=GIVE_UP_S, interval=0.02)
 
 
 def values() -> list[bytes]:
@@ -224,8 +215,9 @@ def test_another_clients_read_holds_the_space_until_its_lease_ends(tmp_path: Any
                 assert check.stats()["retired_bytes"] >= MiB    # held for the reader
                 assert reader.get("shared") == b""
                 assert reader.last_error_code == ErrorCode.OBJECT_NOT_FOUND
-                eventually(lambda: check.stats()["retired_bytes"], lambda held: held == 0,
-                           "the reader's lease ends and the space comes back")
+                eventually(lambda: check.stats()["retired_bytes"],
+                           "the reader's lease ends and the space comes back",
+                           done=lambda held: held == 0)
         finally:
             reader.close()
             holder.close()
