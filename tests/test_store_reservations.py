@@ -14,13 +14,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import pytest
+import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.registry_bench import MasterProcess
@@ -34,18 +34,8 @@ MiB = 1 << 20
 GIVE_UP_S = 30.0   # only a guard against a hang
 OK = ErrorCode.OK
 
-_T = TypeVar("_T")
-
-
-def eventually(call: Callable[[], _T], done: Callable[[_T], bool], what: str) -> _T:
-    deadline = time.monotonic() + GIVE_UP_S
-    while True:
-        result = call()
-        if done(result):
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: still {result!r}")
-        time.sleep(0.05)
+#: call() until done(result): that result (tests/waiting.py)
+eventually = partial(waiting.wait_until, timeout=GIVE_UP_S, interval=0.05)
 
 
 def seg(engine: str = "a", length: int = 64 * MiB) -> StoreSegment:
@@ -108,7 +98,7 @@ def test_a_reservation_used_after_its_lease_is_refused(master: MasterProcess) ->
     with client(master, "owner") as owner, client(master, "writer") as writer:
         assert owner.mount_segment(seg()).code == OK
         [held] = writer.reserve().reservations
-        eventually(writer.stats, lambda s: s["reservations"] == 0, "lease end")
+        eventually(writer.stats, "lease end", done=lambda s: s["reservations"] == 0)
         assert writer.batch_commit([("late", 10, [(held.reservation_id, held.space.addr,
                                                    64)])]) == [ErrorCode.LEASE_EXPIRED]
         assert writer.exist_key("late") == ErrorCode.OBJECT_NOT_FOUND
@@ -158,8 +148,8 @@ def test_master_restart_with_reservations_outstanding(tmp_path: Path) -> None:
         first.kill()                                      # SIGKILL, reservations outstanding
         second = MasterProcess(first.port, extra=data)
         try:
-            mounted = eventually(lambda: owner.mount_segment(seg()), lambda r: r.code == OK,
-                                 "remount")
+            mounted = eventually(lambda: owner.mount_segment(seg()), "remount",
+                                 done=lambda r: r.code == OK)
             assert mounted.objects == 1
             # the restarted master knows no reservation: the claim is refused, not installed
             assert writer.batch_commit([("lost", 1000, [(rid, base + 1024, 1024)])]) == [
@@ -236,7 +226,7 @@ def test_a_put_is_one_master_round_trip(master: MasterProcess, holder: HolderPro
     finally:
         store.close()
     with client(master, "check") as check:                # close released the reservations
-        assert eventually(check.stats, lambda s: s["reservations"] == 0, "release")
+        assert eventually(check.stats, "release", done=lambda s: s["reservations"] == 0)
 
 
 #: a client killed -9 after each step of a put; prints STEP once it is done with it
@@ -285,7 +275,7 @@ def test_kill_9_of_the_client_at_every_step(master: MasterProcess, holder: Holde
     finally:
         store.close()
     with client(master, "check") as check:                # the dead client's space comes back
-        stats = eventually(check.stats, lambda s: s["reservations"] == 0, "lease end")
+        stats = eventually(check.stats, "lease end", done=lambda s: s["reservations"] == 0)
         assert stats["used"] == (50_048 if step == "committed" else 0)
 
 
@@ -322,7 +312,7 @@ def test_an_exhausted_reservation_is_replaced_and_nothing_leaks(
         store.close()
     blocks = sum((len(v) + 63) // 64 * 64 for v in values.values())
     with client(master, "check") as check:
-        stats = eventually(check.stats, lambda s: s["reservations"] == 0, "release")
+        stats = eventually(check.stats, "release", done=lambda s: s["reservations"] == 0)
         assert (stats["used"], stats["keys"]) == (blocks, len(values))
 
 
@@ -341,13 +331,13 @@ def test_kill_9_of_the_master_between_write_and_commit(tmp_path: Path) -> None:
         first.kill()
         assert store.put("lost", lost) == ErrorCode.RPC_FAIL
         second = MasterProcess(first.port, extra=data)
-        assert eventually(lambda: store.get("kept"), lambda v: v != b"", "kept") == kept
+        assert eventually(lambda: store.get("kept"), "kept", done=lambda v: v != b"") == kept
         # the new master's start fence over (a Reserve answered after waiting it out would
         # be stale on arrival, and the put would take the two-phase path instead)
         with client(second, "fence") as check:
-            eventually(check.stats, lambda s: s["start_fence_s"] == 0, "the start fence")
-        assert eventually(lambda: store.put("after", after), lambda rc: rc == 0,
-                          "put after restart") == 0
+            eventually(check.stats, "the start fence", done=lambda s: s["start_fence_s"] == 0)
+        assert eventually(lambda: store.put("after", after), "put after restart",
+                          done=lambda rc: rc == 0) == 0
         assert store.get("after") == after
         assert store.get("lost") == b""
         assert store.last_error_code == ErrorCode.OBJECT_NOT_FOUND
@@ -355,7 +345,7 @@ def test_kill_9_of_the_master_between_write_and_commit(tmp_path: Path) -> None:
         assert space is not None and space.commits == 2   # kept and after, one trip each
         store.close()
         with client(second, "check") as check:            # before the holder unmounts
-            stats = eventually(check.stats, lambda s: s["reservations"] == 0, "release")
+            stats = eventually(check.stats, "release", done=lambda s: s["reservations"] == 0)
             assert (stats["keys"], stats["used"]) == (2, 30_016 + 50_048)
     finally:
         store.close()
