@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
+import waiting
 
 from hixl.client.registry_bench import MasterProcess
 from hixl.server.master import MasterConfig, StoreConfig, default_data_dir, parse_config
@@ -35,23 +35,16 @@ DEADLINE_S = 20.0
 #: A client deadline no test may wait out (the test's own timeout is far shorter).
 UNREACHABLE_DEADLINE_S = 600.0
 
-_T = TypeVar("_T")
 
 
 def seg(engine: str, segment_id: int = 1, epoch: int = 1, length: int = MiB) -> StoreSegment:
     return StoreSegment(engine, segment_id, epoch, 0x10_0000, length, "node-a")
 
 
-def eventually(call: Callable[[], _T], what: str) -> _T:
-    """call() once the master answers (a restarted one takes a moment to be reached)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        try:
-            return call()
-        except MasterUnavailable:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"master never answered: {what}") from None
-            time.sleep(0.05)
+#: call() once the master answers (a restarted one takes a moment to be reached): its
+#: result (tests/waiting.py)
+eventually = partial(waiting.wait_until, timeout=DEADLINE_S, done=lambda _: True,
+                     retry_on=(MasterUnavailable,))
 
 
 #: Leases that cannot run out mid-test, however slow the machine.
