@@ -19,13 +19,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pytest
+import waiting
 
 from hixl.client.mooncake import (
     BufferHandle,
@@ -49,8 +50,6 @@ RPC_FAIL = int(ErrorCode.RPC_FAIL)
 NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
 INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
 
-_T = TypeVar("_T")
-
 
 def pattern(seed: int, size: int) -> bytes:
     """The same bytes tests/helpers/store_worker.py makes for (seed, size)."""
@@ -67,16 +66,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def eventually(call: Callable[[], _T], done: Callable[[_T], bool], what: str) -> _T:
-    """call() until done(result) (e.g. once a restarted master is reached and remounted)."""
-    deadline = time.monotonic() + GIVE_UP_S
-    while True:
-        result = call()
-        if done(result):
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: still {result!r}")
-        time.sleep(0.1)
+#: call() until done(result) (e.g. once a restarted master is reached and remounted):
+#: that result (tests/waiting.py)
+eventually = partial(waiting.wait_until, timeout=GIVE_UP_S, interval=0.1)
 
 
 class Worker:
@@ -453,12 +445,13 @@ def test_master_restart_keeps_keys_and_clients(tmp_path: Path,
 
         restarted = MasterProcess(master.port, extra=data)
         try:
-            eventually(lambda: store.put("after", b"back"), lambda rc: rc == 0, "put after restart")
+            eventually(lambda: store.put("after", b"back"), "put after restart",
+                       done=lambda rc: rc == 0)
             for key, value in values.items():
-                assert eventually(lambda k=key: store.get(k), lambda v: v != b"",  # type: ignore[misc]
-                                  f"get {key}") == value
-            got = eventually(lambda: worker.step(do="get", key="from-worker"),
-                             lambda r: r["len"] > 0, "worker's key")
+                assert eventually(lambda k=key: store.get(k), f"get {key}",  # type: ignore[misc]
+                                  done=lambda v: v != b"") == value
+            got = eventually(lambda: worker.step(do="get", key="from-worker"), "worker's key",
+                             done=lambda r: r["len"] > 0)
             assert got["sha256"] == sha(pattern(9, 77_777))
             assert store.get("after") == b"back"
             assert worker.step(do="put", key="w-after", seed=2, size=1000) == {"rc": 0}
