@@ -23,11 +23,13 @@ _T = TypeVar("_T")
 
 def wait_until(predicate: Callable[[], _T], what: str, timeout: float,
                interval: float = 0.05, *, done: Callable[[_T], object] | None = None,
-               retry_on: tuple[type[BaseException], ...] = ()) -> _T:
+               retry_on: tuple[type[BaseException], ...] = (),
+               detail: Callable[[], object] | None = None) -> _T:
     """Call `predicate` every `interval` s until its result is true, or, given `done`, until
     `done(result)` is; return that result. Once `timeout` s pass first, fail the test with
-    an AssertionError naming `what` and the last result. An exception of a `retry_on` type
-    counts as "not yet" (a daemon still starting); any other propagates at once."""
+    an AssertionError naming `what`, the last result and `detail()` if given (a daemon's
+    log, say). An exception of a `retry_on` type counts as "not yet" (a daemon still
+    starting); any other propagates at once."""
     deadline = time.monotonic() + timeout
     while True:
         last: Any
@@ -40,7 +42,8 @@ def wait_until(predicate: Callable[[], _T], what: str, timeout: float,
                 return result
             last = f"still {reprlib.repr(result)}"
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}: {last}")
+            more = f"\n{detail()}" if detail is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}: {last}{more}")
         time.sleep(interval)
 
 
