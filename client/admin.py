@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from hixl.client.agent_client import AgentClient
-from hixl.client.bench import format_table, human_size
+from hixl.client.bench import format_table
 from hixl.control import error_from_rpc, open_channel
 from hixl.errors import (
     AuthenticationFailed,
@@ -28,6 +28,7 @@ from hixl.errors import (
 from hixl.failover import leader_hint, parse_addresses
 from hixl.registry_client import EngineInfo, RegistryClient
 from hixl.server.config import DEFAULT_GRPC_PORT
+from hixl.sizes import format_size
 from hixl.store_client import KeyInfo, MasterClient, MasterRpcError
 from hixl.store_codes import ErrorCode
 from hixl.tls import TlsSetting
@@ -315,7 +316,7 @@ def _key_row(info: KeyInfo) -> dict[str, Any]:
 
 
 def _size(n: int) -> str:
-    return human_size(n, approximate=True)
+    return format_size(n, approximate=True)
 
 
 def _age(seconds: float) -> str:

@@ -48,6 +48,7 @@ import numpy as np
 from hixl import addresses
 from hixl.errors import HixlError, TransferFailed
 from hixl.memory import ShmSegment
+from hixl.sizes import format_size as human_size
 from hixl.types import TransferOp, TransferOpDesc
 
 KIB = 1024
@@ -78,20 +79,6 @@ _memmove = ctypes.memmove
 def default_batches(block: int) -> tuple[int, ...]:
     """Small blocks are moved in big batches in practice (KV pages), large ones in few."""
     return (1, 256) if block <= 64 * KIB else (1, 8)
-
-
-def human_size(n: int, *, approximate: bool = False) -> str:
-    """4096 -> '4K', 8994816 -> '8784K', 67108864 -> '64M'; other sizes in bytes ('1000B'),
-    or, with `approximate`, to one decimal of the largest unit below them ('1.5M')."""
-    units = (("T", 1 << 40), ("G", 1 << 30), ("M", MIB), ("K", KIB))
-    for unit, scale in units:
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    if approximate:
-        for unit, scale in units:
-            if n >= scale:
-                return f"{n / scale:.1f}{unit}"
-    return f"{n}B"
 
 
 LOCAL_MEMORIES = ("host", "cuda")

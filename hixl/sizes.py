@@ -74,4 +74,19 @@ def parse_size_list(text: str) -> tuple[int, ...]:
     return sizes
 
 
-__all__ = ["UNITS", "parse_size", "parse_size_list", "split_size"]
+def format_size(n: int, *, approximate: bool = False) -> str:
+    """The inverse of parse_size, in the same units: 4096 -> '4K', 8994816 -> '8784K',
+    67108864 -> '64M'; other sizes in bytes ('1000B'), or, with `approximate`, to one
+    decimal of the largest unit below them ('1.5M', which parse_size may refuse)."""
+    units = (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10))
+    for unit, scale in units:
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    if approximate:
+        for unit, scale in units:
+            if n >= scale:
+                return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+__all__ = ["UNITS", "format_size", "parse_size", "parse_size_list", "split_size"]

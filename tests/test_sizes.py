@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hixl.client.mooncake.store import MooncakeConfig, mooncake_size
 from hixl.errors import ConfigError
-from hixl.sizes import UNITS, parse_size, parse_size_list
+from hixl.sizes import UNITS, format_size, parse_size, parse_size_list
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -96,3 +96,22 @@ def test_mooncake_config_converts_at_the_boundary() -> None:
                             protocol="tcp", device_name=None,
                             master_server_address="127.0.0.1:50051")
     assert (config.global_segment_size, config.local_buffer_size) == (64 * MiB, 16 * MiB)
+
+
+@pytest.mark.parametrize(("n", "text"), [
+    (4096, "4K"), (8994816, "8784K"), (64 << 20, "64M"), (1 << 30, "1G"), (1 << 40, "1T"),
+    (1000, "1000B"), (1, "1B"),
+])
+def test_format_size(n: int, text: str) -> None:
+    assert format_size(n) == text and parse_size(text) == n
+
+
+def test_format_size_approximate() -> None:
+    assert format_size((3 << 19) + 1, approximate=True) == "1.5M"
+    assert format_size(3 << 19, approximate=True) == "1536K"
+    assert format_size(1000, approximate=True) == "1000B"
+
+
+@given(st.integers(min_value=1, max_value=1 << 60))
+def test_format_then_parse_round_trips(n: int) -> None:
+    assert parse_size(format_size(n)) == n
