@@ -10,10 +10,10 @@ import io
 import json
 import logging
 import re
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import waiting
 
 from hixl import errors, logs
 from hixl.client.agent_client import AgentClient
@@ -41,12 +41,8 @@ def wait_for_lines(read: Callable[[], str], match: Callable[[dict[str, object]],
                    ) -> list[dict[str, object]]:
     """The JSON lines of `read()` matching `match`, waiting (within a deadline) for the
     first: a process writes its log line just before the reply leaves, not after."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        found = [entry for entry in json_lines(read()) if match(entry)]
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
+    return waiting.wait_until(lambda: [entry for entry in json_lines(read()) if match(entry)],
+                              "a matching JSON log line", DEADLINE_S)
 
 
 def request_id_of(exc: pytest.ExceptionInfo[errors.HixlError]) -> str:
@@ -115,9 +111,8 @@ def test_text_logs_carry_the_request_id(agent_process) -> None:
             pytest.raises(ParamInvalid) as bad:
         client.deregister(987654, node.info.epoch)
     rid = request_id_of(bad)
-    deadline = time.monotonic() + DEADLINE_S
-    while rid not in node.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    waiting.wait_until(lambda: rid in node.log(), f"request {rid} in the agent's log",
+                       DEADLINE_S)
     lines = [line for line in node.log().splitlines() if rid in line]
     assert len(lines) == 1, lines
     assert f"[{rid}]" in lines[0] and " WARNING hixl.rpc " in lines[0]
@@ -211,9 +206,8 @@ def test_a_peer_name_with_a_newline_cannot_forge_an_agent_log_line(agent_process
         honest = client.allocate(4096, owner="127.0.0.1:50999")
         assert {s.segment_id for s in client.list_segments()[1]} >= {
             forged.segment_id, honest.segment_id}
-        deadline = time.monotonic() + DEADLINE_S
-        while "owner=127.0.0.1:50999" not in node.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        waiting.wait_until(lambda: "owner=127.0.0.1:50999" in node.log(),
+                           "the honest allocation in the agent's log", DEADLINE_S)
         lines = node.log().splitlines()
         quoting = [line for line in lines if "fake: agent compromised" in line]
         assert quoting and all(ESCAPED in line for line in quoting), quoting
