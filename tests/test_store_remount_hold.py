@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import waiting
 
 from hixl.server.store import ObjectStore, StoreOptions
 from hixl.server.store_service import AWAITING_REMOUNT, Hold, StoreCalls
@@ -64,10 +65,8 @@ def reserve() -> store_pb2.ReserveRequest:
 
 def held(store: ObjectStore, count: int = 1) -> None:
     """Wait until `count` calls are held for a remount (the store counts them)."""
-    deadline = time.monotonic() + WAIT_S
-    while store.stats()["puts_held_for_remount"] < count:
-        assert time.monotonic() < deadline, "no call was held"
-        time.sleep(0.005)
+    waiting.wait_until(lambda: store.stats()["puts_held_for_remount"] >= count,
+                       f"{count} call(s) held for a remount", WAIT_S, interval=0.005)
 
 
 def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
