@@ -16,12 +16,12 @@ import selectors
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import waiting
 import yaml
 from conftest import AgentProcess, agent_command, clean_env
 
@@ -362,10 +362,9 @@ def test_master_registry_and_store_over_mutual_tls(pki: Pki, agent_process: Star
         client_tls = ClientTLS(pki.ca, pki.client.cert, pki.client.key)
         with RegistryClient(master, timeout=DEADLINE_S, cluster_token=TOKEN,
                             tls=client_tls) as registry:
-            deadline = time.monotonic() + DEADLINE_S
-            while not (segments := registry.query(agent.engine)):  # published soon
-                assert time.monotonic() < deadline, f"not published:\n{agent.log()}"
-                time.sleep(0.05)
+            segments = waiting.wait_until(lambda: registry.query(agent.engine),  # soon
+                                          f"{agent.engine} published", DEADLINE_S,
+                                          detail=agent.log)
             assert [s.name for s in segments] == ["pool"]
         with RegistryClient(master, timeout=DEADLINE_S, cluster_token=TOKEN,
                             tls=False) as plain, \
