@@ -21,11 +21,11 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import waiting
 
 from hixl.client.mooncake import TransferEngine, TransferNotify, TransferOpcode
 
@@ -223,10 +223,9 @@ def test_async_submit_check_status_and_batches(te: TransferEngine, target: Targe
     addr = src.ctypes.data
     batch = te.transfer_submit_write(seg, addr, remote, SIZE)
     assert batch > 0
-    deadline = time.monotonic() + 30  # proves "does not hang", not a speed
-    while (status := te.transfer_check_status(batch)) == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    status = waiting.wait_until(lambda: te.transfer_check_status(batch),  # not a speed
+                                "the batch to complete", 30, interval=0.001,
+                                done=lambda status: status != 0)
     assert status == 1
     assert target.sha(remote, SIZE) == sha(src)
     assert te.transfer_check_status(batch) == -1  # reported, so freed
