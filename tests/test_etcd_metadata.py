@@ -417,10 +417,8 @@ def test_kill_9_and_a_new_master_on_the_same_prefix_keeps_every_key(
         master.kill()                                     # SIGKILL: the claim stays behind
         restarted = MasterProcess(master.port, extra=flags)
         try:
-            deadline = time.monotonic() + WAIT_S
-            while store.put("after", b"back") != 0:       # the client remounts by itself
-                assert time.monotonic() < deadline, store.last_error
-                time.sleep(0.1)
+            wait_for(lambda: store.put("after", b"back") == 0,  # it remounts by itself
+                     "a put after the remount", interval=0.1, detail=lambda: store.last_error)
             assert store.get("k0") == b""
             for key, value in list(values.items())[1:]:
                 assert store.get(key) == value, key
