@@ -16,7 +16,6 @@ import logging
 import re
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from functools import partial
@@ -253,13 +252,8 @@ def test_without_a_quorum_a_put_end_fails_typed_and_works_again_on_the_same_stor
 
     cluster.ensure_running()
     # the changes that failed stayed queued in order; they land once etcd is back
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        try:
-            backend.wait_durable()
-            break
-        except UNAVAILABLE_ERRORS:
-            assert time.monotonic() < deadline, "the queued changes never landed"
+    wait_for(backend.wait_durable, "the queued changes to land", done=lambda _: True,
+             retry_on=UNAVAILABLE_ERRORS)
     assert put_keys(store, ["k3"]) == [ErrorCode.OK]      # the same store object
     memory = store.exist_keys(["k1", "k2", "k3"])
     assert memory == [ErrorCode.OBJECT_NOT_FOUND, ErrorCode.OK, ErrorCode.OK]
