@@ -362,10 +362,13 @@ def test_killing_each_new_leader_again_and_again_keeps_every_key(
             for i in range(5):
                 key = f"r{round_}-{i}"
                 written[key] = pattern(100 * round_ + i, 5000 + i)
-                deadline = time.monotonic() + WAIT_S
-                while (code := store.put(key, written[key])) != 0:   # a switch settling
-                    assert code in SWITCH_CODES and time.monotonic() < deadline, code
-                    time.sleep(0.1)
+
+                def put_done(key: str = key) -> bool:  # refused only while a switch settles
+                    code = store.put(key, written[key])
+                    assert code == 0 or code in SWITCH_CODES, code
+                    return code == 0
+
+                wait_until(put_done, f"put {key} through the switch", interval=0.1)
             leader.kill()
             masters.leader(exclude=(leader.target,))
             masters.restart(leader)
