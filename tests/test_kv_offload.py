@@ -15,13 +15,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import waiting
 
 from hixl.client.kv_offload import KvLayout, bad_pages, fill_page, page_ok, top_k_blocks
 from hixl.client.kv_offload_bench import KvBenchConfig, add_parser
@@ -135,11 +135,15 @@ def test_a_pool_pe_killed_mid_run_fails_the_inference_pe_with_a_typed_error(
     out, results = Output(), {}
     job = f"kv-kill-{uuid.uuid4().hex[:8]}"
     threads = [_launch(command, pe, master, job, out, results) for pe in (0, 1)]
-    deadline = time.monotonic() + GIVE_UP_S
-    while not any(line.startswith("step 3:") for line in out.lines(0)):
-        assert time.monotonic() < deadline, out.getvalue()[-4000:]
-        assert not results, (results, out.getvalue()[-4000:])
-        time.sleep(0.05)
+
+    def at_step_3() -> bool:
+        if any(line.startswith("step 3:") for line in out.lines(0)):
+            return True
+        assert not results, (results, out.getvalue()[-4000:])  # nobody ended before it
+        return False
+
+    waiting.wait_until(at_step_3, "PE 0 at step 3", GIVE_UP_S,
+                       detail=lambda: out.getvalue()[-4000:])
     os.kill(int((tmp_path / "pe1.pid").read_text()), signal.SIGKILL)
     for thread in threads:
         thread.join(GIVE_UP_S)
