@@ -14,13 +14,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import waiting
 
 from hixl import Engine, TransferTimeout, wire
 from hixl.client import cli
@@ -213,10 +213,15 @@ def test_call_right_after_a_master_restart_finds_the_remounted_segment(
             putter = threading.Thread(target=lambda: result.append(
                 store.put("after", value) if call == "put" else len(store.get("before"))))
             putter.start()
-            deadline = time.monotonic() + GIVE_UP_S
-            while not in_function(putter, "_check_in"):    # PutStart found no room
-                assert putter.is_alive() and time.monotonic() < deadline, result
-                time.sleep(0.01)
+
+            def checking_in() -> bool:  # PutStart found no room
+                if in_function(putter, "_check_in"):
+                    return True
+                assert putter.is_alive(), result
+                return False
+
+            waiting.wait_until(checking_in, "the call waiting to check in", GIVE_UP_S,
+                               interval=0.01)
             mounted = store._master.mount_segment(store._segment)   # as the heartbeat does
             assert mounted.code == 0
         putter.join(GIVE_UP_S)
