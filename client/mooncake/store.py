@@ -1119,7 +1119,10 @@ class MooncakeDistributedStore:
                 else:
                     codes[item.index] = result.code
                     reasons[item.index] = f"master: {code_name(result.code)}"
-                    if result.code == ErrorCode.NO_AVAILABLE_HANDLE:
+                    # no room, or held at the master until its hold ran out because the
+                    # room is on segments awaiting their remount (REPLICA_IS_NOT_READY)
+                    if result.code in (ErrorCode.NO_AVAILABLE_HANDLE,
+                                       ErrorCode.REPLICA_IS_NOT_READY):
                         no_room.append(item)
             failed = self._write(jobs)
             self._finish(jobs, failed, codes, reasons, reads_done)
