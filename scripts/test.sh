@@ -3,6 +3,7 @@
 #
 #   bash scripts/test.sh                 # the whole suite (what CI runs)
 #   bash scripts/test.sh -k wire -x      # extra arguments go to pytest
+#   bash scripts/test.sh -m unit         # only the unit tests (kinds: tests/conftest.py)
 #
 # pytest runs even when ruff finds problems, so one run reports both. Exits non-zero when
 # anything fails, including pytest collecting no tests (pytest's exit 5).
