@@ -78,6 +78,7 @@ from hixl.store_client import (
     LocationCache,
     MasterClient,
     MasterRpcError,
+    MasterUnavailable,
     MasterWrongServer,
     PutStartResult,
     ReadGate,
@@ -1107,7 +1108,7 @@ class MooncakeDistributedStore:
             except MasterRpcError as exc:
                 for item in pending:
                     codes[item.index], reasons[item.index] = ErrorCode.RPC_FAIL, str(exc)
-                break
+                break  # not retried: a PutStart the old leader applied holds the key
             jobs: list[tuple[_Item, PutStartResult]] = []
             no_room: list[_Item] = []
             for item, result in zip(pending, started, strict=True):
@@ -1142,12 +1143,25 @@ class MooncakeDistributedStore:
         self._report(what, keys, codes, reasons)
         return [int(c) for c in codes]
 
+    @staticmethod
+    def _switching(master: MasterClient, exc: MasterRpcError) -> bool:
+        """Whether values whose Commit was cut off by `exc` are put once more, through
+        the two-phase put: when the call found no master or lost its connection and other
+        masters are configured (a leader switch, issue 20). Safe although the Commit may
+        have been applied: it is all or nothing, so the key is then stored with these
+        bytes and the new put keeps it and returns 0 (an upsert writes the same bytes
+        again). A PutStart is not retried so: one the old leader applied leaves an
+        unfinished put holding the key. With one master address a dead master is not
+        waited for twice."""
+        return isinstance(exc, MasterUnavailable) and len(master.endpoints.addresses) > 1
+
     def _put_reserved(self, space: ReservedSpace, what: str, items: list[_Item],
                       config: ReplicateConfig, upsert: bool, codes: list[int],
                       reasons: dict[int, str], reads_done: bool) -> list[_Item]:
         """Put what fits this client's reservations in one master round trip (write, then
         Commit: docs/store.md §2); returns the items left for the two-phase put."""
         master_config = self._master_config(config, False)
+        master = space.master
         placed = space.place(master_config, [item.size for item in items])
         rest = [item for item, placement in zip(items, placed, strict=True) if placement is None]
         jobs = [(item, placement) for item, placement in zip(items, placed, strict=True)
@@ -1170,9 +1184,11 @@ class MooncakeDistributedStore:
         try:
             results = space.commit([(item.key, item.size, p) for item, p in jobs],
                                    master_config, upsert=upsert, reads_done=reads_done)
-        except MasterRpcError as exc:  # it may have been applied: not retried
+        except MasterRpcError as exc:
             for item, _ in jobs:
                 codes[item.index], reasons[item.index] = ErrorCode.RPC_FAIL, str(exc)
+            if self._switching(master, exc):  # put anew through the next leader
+                return rest + [item for item, _ in jobs]
             return rest
         for (item, _), code in zip(jobs, results, strict=True):
             if code in (ErrorCode.OBJECT_NOT_FOUND, ErrorCode.LEASE_EXPIRED):
