@@ -12,8 +12,10 @@ Also sorts every test into one kind, a pytest marker (pyproject.toml lists them)
 The kind is found, not declared (`_kind_of`): a test that reaches, through its own code,
 its fixtures or the helpers in tests/ they call, a way to start a process (subprocess,
 multiprocessing, os.fork, a hixl module that starts processes) is "process"; the first of
-multihost, etcd, fuzz that applies wins over that. A test still sorted "unit" that starts
-a process anyway fails, naming what it started (`_refuse_processes`), so "unit" stays true.
+multihost, etcd, fuzz that applies wins over that. A kind marker put on a test or a
+parameter by hand wins over what is found (test_metadata's places). A test still sorted
+"unit" that starts a process anyway fails, naming what it started (`_refuse_processes`),
+so "unit" stays true.
 """
 
 from __future__ import annotations
