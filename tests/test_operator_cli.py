@@ -97,8 +97,8 @@ def test_ctrl_c_during_start_up_exits_without_a_traceback(tmp_path: Path) -> Non
     """SIGINT while the pool is being pre-faulted: the agent stops, exit 0, no traceback
     (whether the signal lands during pre-faulting or just after: both are start-up)."""
     import signal
-    import time
 
+    import waiting
     from conftest import TEST_STATE_DIR
 
     log_path = tmp_path / "agent.log"
@@ -108,10 +108,15 @@ def test_ctrl_c_during_start_up_exits_without_a_traceback(tmp_path: Path) -> Non
              str(tmp_path / "run"), "--state-dir", TEST_STATE_DIR, "--pool-size", "256MiB"],
             stdout=subprocess.PIPE, stderr=log_file, text=True, env=clean_env())
     try:
-        deadline = time.monotonic() + 60
-        while "pre-faulting pool segment" not in log_path.read_text(encoding="utf-8"):
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.01)
+
+        def pre_faulting() -> bool:
+            if "pre-faulting pool segment" in log_path.read_text(encoding="utf-8"):
+                return True
+            assert proc.poll() is None, log_path.read_text()  # exited before it
+            return False
+
+        waiting.wait_until(pre_faulting, "the agent pre-faulting its pool", 60, interval=0.01,
+                           detail=log_path.read_text)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
