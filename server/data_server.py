@@ -440,6 +440,11 @@ class _Connection:
     def _counted(self, opcode: int, size: int, seconds: float) -> None:
         """Count one op answered in C (published before its reply leaves, as `_answer_one`
         counts); `seconds`: from its frame's arrival to now, its latency observation."""
+        self._count(opcode, size).latency.observe(seconds)
+
+    def _count(self, opcode: int, size: int) -> Traffic:
+        """Count one answered op (published before its reply leaves); returns its
+        direction's traffic."""
         read, write = self.traffic
         with self.server._lock:
             counters = self.server.counters
@@ -448,12 +453,12 @@ class _Connection:
                 counters["bytes_written"] += size
                 write.ops += 1
                 write.bytes += size
-            else:
-                counters["ops_read"] += 1
-                counters["bytes_read"] += size
-                read.ops += 1
-                read.bytes += size
-        (write if opcode == _WRITE else read).latency.observe(seconds)
+                return write
+            counters["ops_read"] += 1
+            counters["bytes_read"] += size
+            read.ops += 1
+            read.bytes += size
+            return read
 
     def _answer_one(self, opcode: int, rid: int, size: int, window: memoryview | None) -> None:
         """Answer a lone accepted request at once: the socket held nothing after it and
@@ -463,20 +468,7 @@ class _Connection:
         Why a path of its own: one latency-bound op otherwise went through the run and
         flush bookkeeping, a good part of the agent's work for it.
         """
-        read, write = self.traffic
-        server = self.server
-        with server._lock:
-            counters = server.counters
-            if opcode == _WRITE:
-                counters["ops_write"] += 1
-                counters["bytes_written"] += size
-                write.ops += 1
-                write.bytes += size
-            else:
-                counters["ops_read"] += 1
-                counters["bytes_read"] += size
-                read.ops += 1
-                read.bytes += size
+        traffic = self._count(opcode, size)
         if window is None:
             buffers: list[Buffer] = [wire.ok_reply(rid)]
             total = wire.HEADER_SIZE
@@ -490,7 +482,7 @@ class _Connection:
         if sent != total:
             self._send_all(buffers, sent)
         now = _monotonic()
-        (write if window is None else read).latency.observe(now - self.started)
+        traffic.latency.observe(now - self.started)
         self.started = now
 
     def _close_run(self) -> None:
