@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fuzz_data_server import recv_exact_or_eof as recv_exact
 
 from hixl import errors, wire
 from hixl.memory import ShmSegment
@@ -332,16 +333,6 @@ def connect_raw(served: Served, kind: str) -> socket.socket:
     sock.sendall(proto.hello(b"raw"))
     assert len(recv_exact(sock, wire.HEADER_SIZE)) == wire.HEADER_SIZE
     return sock
-
-
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return bytes(data)
 
 
 @pytest.mark.parametrize("cut", ["header", "payload", "after-read"])
