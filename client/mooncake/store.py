@@ -1098,6 +1098,7 @@ class MooncakeDistributedStore:
         if pending and space is not None:
             pending = self._put_reserved(space, what, pending, config, upsert, codes, reasons,
                                          reads_done)
+        cut_off: set[int] = set()  # items whose PutStart a leader switch cut off
         for attempt in (0, 1):
             if not pending:
                 break
@@ -1108,13 +1109,20 @@ class MooncakeDistributedStore:
             except MasterRpcError as exc:
                 for item in pending:
                     codes[item.index], reasons[item.index] = ErrorCode.RPC_FAIL, str(exc)
-                break  # not retried: a PutStart the old leader applied holds the key
+                if attempt == 0 and self._switching(master, exc):
+                    cut_off.update(item.index for item in pending)
+                    continue  # once more, through the next leader
+                break
             jobs: list[tuple[_Item, PutStartResult]] = []
             no_room: list[_Item] = []
+            unsure: list[_Item] = []
             for item, result in zip(pending, started, strict=True):
                 if result.code == OK:
                     jobs.append((item, result))
                 elif result.code == ErrorCode.OBJECT_ALREADY_EXISTS and not upsert:
+                    if item.index in cut_off:  # stored, or our cut-off PutStart's?
+                        unsure.append(item)
+                        continue
                     log.debug("%s: %r is already stored; kept (upsert replaces)", what, item.key)
                     codes[item.index] = OK
                 else:
@@ -1125,6 +1133,8 @@ class MooncakeDistributedStore:
                     if result.code in (ErrorCode.NO_AVAILABLE_HANDLE,
                                        ErrorCode.REPLICA_IS_NOT_READY):
                         no_room.append(item)
+            if unsure:
+                self._stored_after_all(master, unsure, codes, reasons)
             failed = self._write(jobs)
             self._finish(jobs, failed, codes, reasons, reads_done)
             retry = [item for item, _ in jobs if item.index in failed]
@@ -1145,15 +1155,34 @@ class MooncakeDistributedStore:
 
     @staticmethod
     def _switching(master: MasterClient, exc: MasterRpcError) -> bool:
-        """Whether values whose Commit was cut off by `exc` are put once more, through
-        the two-phase put: when the call found no master or lost its connection and other
-        masters are configured (a leader switch, issue 20). Safe although the Commit may
-        have been applied: it is all or nothing, so the key is then stored with these
-        bytes and the new put keeps it and returns 0 (an upsert writes the same bytes
-        again). A PutStart is not retried so: one the old leader applied leaves an
-        unfinished put holding the key. With one master address a dead master is not
-        waited for twice."""
+        """Whether a put whose Commit or PutStart `exc` cut off is tried once more
+        (two-phase): when the call found no master or lost its connection and other
+        masters are configured (a leader switch, issue 20). With one master address a
+        dead master is not waited for twice. A cut-off Commit is all or nothing: the key
+        is then stored with these bytes, or nothing of it is. A cut-off PutStart may have
+        left an unfinished put of the key at a master still alive (one that was only
+        slow): the retry is then answered OBJECT_ALREADY_EXISTS, which for such a key
+        counts as stored only once the master says it is (`_stored_after_all`)."""
         return isinstance(exc, MasterUnavailable) and len(master.endpoints.addresses) > 1
+
+    @staticmethod
+    def _stored_after_all(master: MasterClient, items: list[_Item], codes: list[int],
+                          reasons: dict[int, str]) -> None:
+        """Retried after a cut-off PutStart and answered OBJECT_ALREADY_EXISTS: 0 where
+        the key is stored (readable, or awaiting its holder's remount), else the cut-off
+        call's RPC_FAIL stands (an unfinished put, ours perhaps, holds the key)."""
+        try:
+            found = master.batch_exist_key([item.key for item in items])
+        except MasterRpcError as exc:
+            for item in items:
+                reasons[item.index] += f"; then the key's state is unknown: {exc}"
+            return
+        for item, code in zip(items, found, strict=True):
+            if code in (OK, ErrorCode.REPLICA_IS_NOT_READY):
+                codes[item.index] = OK
+            else:
+                reasons[item.index] += ("; retried through the next master: an unfinished "
+                                        "put holds the key")
 
     def _put_reserved(self, space: ReservedSpace, what: str, items: list[_Item],
                       config: ReplicateConfig, upsert: bool, codes: list[int],
