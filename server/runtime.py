@@ -50,6 +50,7 @@ from hixl.server.fd_server import FdServer, TicketBook, prepare_socket_path
 from hixl.server.grpc_service import AgentServicer, Endpoints, RegistryState
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2_grpc
+from hixl.wrong_server import NOT_HTTP2
 
 log = logging.getLogger("hixl.runtime")
 
@@ -217,8 +218,7 @@ def _registry_failure(exc: Exception, where: str) -> str:
     a port that does not speak gRPC (an agent's data port), or a gRPC server without the
     Registry service (an agent that publishes to a master of its own)."""
     text = str(exc)
-    if any(marker in text for marker in ("Failed parsing HTTP/2", "Frame size",
-                                         "Trying to connect an http1.x server")):
+    if any(marker in text for marker in NOT_HTTP2):
         return (f"{text}; {where} does not speak gRPC: key 'master' (--master) must be a "
                 "hixl-master's host:port, not an agent's data port")
     if "UNIMPLEMENTED" in text:
