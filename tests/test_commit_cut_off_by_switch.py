@@ -19,13 +19,14 @@ import pytest
 import waiting
 from etcd_cluster import EtcdCluster
 from test_master_failover import _all_stopped
-from test_master_ha import Masters
-from test_master_switch_holds_puts import GatedHolder, no_token_from_the_host, pattern
+from test_master_ha import (
+    Masters,
+    no_token_from_the_host,  # noqa: F401 - autouse fixture, used here too
+)
+from test_master_switch_holds_puts import GatedHolder, pattern
 from test_soak import in_function
 
 from hixl.client.mooncake import MooncakeDistributedStore
-
-__all__ = ["no_token_from_the_host"]  # the autouse fixture, used here too
 
 MiB = 1 << 20
 WAIT_S = 60.0

@@ -25,10 +25,12 @@ from functools import partial
 
 import grpc
 import numpy as np
-import pytest
 import waiting
 from etcd_cluster import EtcdCluster
-from test_master_ha import Masters
+from test_master_ha import (
+    Masters,
+    no_token_from_the_host,  # noqa: F401 - autouse fixture, used here too
+)
 
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.server.store_service import AWAITING_REMOUNT
@@ -102,12 +104,6 @@ class GatedHolder:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-
-
-@pytest.fixture(autouse=True)
-def no_token_from_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("HIXL_CLUSTER_TOKEN", raising=False)
-    monkeypatch.delenv("HIXL_CLUSTER_TOKEN_FILE", raising=False)
 
 
 def pattern(seed: int, size: int) -> bytes:
