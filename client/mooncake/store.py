@@ -68,7 +68,7 @@ from hixl.errors import (
 )
 from hixl.failover import parse_addresses
 from hixl.logs import log_failure
-from hixl.memory import ShmSegment, buffer_range, copy_moves, new_bytes
+from hixl.memory import ShmSegment, buffer_range, copy_moves, keep_freed_memory, new_bytes
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM
 from hixl.server.store import MAX_REPLICAS
 from hixl.sizes import parse_size, split_size
@@ -667,6 +667,7 @@ class MooncakeDistributedStore:
                                                    TRANSFER_TIMEOUT_ENV, DEFAULT_TRANSFER_TIMEOUT_S)
             self._connect_timeout = self._seconds(None, CONNECT_TIMEOUT_ENV,
                                                   DEFAULT_CONNECT_TIMEOUT_S)
+            log.info("%s", keep_freed_memory())  # get()'s new bytes land in warm pages
             deadline = time.monotonic() + setup_timeout
             self._stop.clear()
             if settings.protocol == "rdma":

@@ -11,6 +11,9 @@ then answers one JSON step per stdin line with one JSON line:
     {"do": "put", "key": K, "seed": 7, "size": N, "replica_num": 1}  -> {"rc": ...}
     {"do": "puts", "prefix": P, "count": C, "seed": 7, "size": N}    -> {"codes": [...]}
     {"do": "get", "key": K}            -> {"len": n, "sha256": hex, "code": last_error_code}
+    {"do": "get_batch", "keys": [K, ...]}   (twice: what the second call costs)
+        -> {"sha256": [hex, ...], "page_faults": n}  (n: minor page faults of the second
+           call: pages of its new values that were fresh from the kernel)
     {"do": "call", "method": M, "args": [...]}   -> {"result": ...}   (JSON-able calls)
     {"do": "close"}                    -> {"rc": ...}
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import sys
 from typing import Any
 
@@ -49,6 +53,12 @@ def answer(store: MooncakeDistributedStore, step: dict[str, Any]) -> dict[str, A
     if do == "get":
         value = store.get(step["key"])
         return {"len": len(value), "sha256": digest(value), "code": store.last_error_code}
+    if do == "get_batch":
+        del store.get_batch(step["keys"])[:]  # the first call's values come and go
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        values = store.get_batch(step["keys"])
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        return {"page_faults": faults, "sha256": [digest(value) for value in values]}
     if do == "call":
         return {"result": getattr(store, step["method"])(*step.get("args", []))}
     if do == "close":
