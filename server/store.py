@@ -238,8 +238,10 @@ class StoreOptions:
     #: commit that uses it; also how long a store that may have had a predecessor
     #: allocates nothing after it starts (a stale reservation's writes end by then)
     reservation_ttl_ms: int = 1_000
-    #: space one reservation sets aside per segment (at most an eighth of the segment)
-    reservation_bytes: int = 32 << 20
+    #: space one reservation sets aside per segment (at most an eighth of the segment);
+    #: values up to a quarter of it take the one-round-trip put, so 64 MiB covers a
+    #: DeepSeek-R1 KV block (8784 KiB) with room
+    reservation_bytes: int = 64 << 20
     #: how long a client may read a value's locations from its cache (docs/store.md §3),
     #: at most the read lease; removing or replacing a cached value waits it out
     location_cache_ttl_ms: int = 500
