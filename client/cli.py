@@ -317,6 +317,15 @@ def add_bench_store(subparsers: Any) -> None:
                    help=f"runs per cell; medians are reported (default {defaults.runs})")
     p.add_argument("--run-bytes", type=_one_size, default=defaults.run_bytes,
                    help="bytes one run moves, in 5 to 200 calls (default 64M)")
+    p.add_argument("--concurrency", type=_positive_int, default=defaults.concurrency,
+                   metavar="THREADS",
+                   help="threads calling the one client at once, each its share of a run's "
+                        "calls (calls workload; default 1); GB/s and keys/s are then all "
+                        "threads' together")
+    p.add_argument("--journal", action="store_true",
+                   help="also measure hixl on a second master that journals every put "
+                        "(fsync'd, in a temporary dir), with its own holder; reports its p50 "
+                        "beside the in-memory master's, with the target <= 1.3x for puts")
     p.add_argument("--master", metavar="HOST:PORT", type=_host_port,
                    help="use this running hixl-master (default: start a private one)")
     p.add_argument("--mooncake-master", metavar="HOST:PORT", type=_host_port,
@@ -347,15 +356,21 @@ def store_bench_config(args: argparse.Namespace) -> Any:
     return StoreBenchConfig(
         sizes=args.sizes, batch=args.batch, runs=args.runs, run_bytes=args.run_bytes,
         master=args.master, mooncake=args.mooncake, mooncake_master=args.mooncake_master,
-        holders=args.holders, local=args.local, workload=args.workload)
+        holders=args.holders, local=args.local, workload=args.workload,
+        concurrency=args.concurrency, journal=args.journal)
 
 
 def run_bench_store_command(args: argparse.Namespace) -> int:
     from hixl.client import store_bench
 
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
-    report = store_bench.run_store_bench(store_bench_config(args),
-                                         sys.stderr if show_progress else None)
+    config = store_bench_config(args)
+    try:
+        config.check()
+    except ValueError as exc:  # flags that do not go together
+        print(f"hixl bench store: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    report = store_bench.run_store_bench(config, sys.stderr if show_progress else None)
     emit_report(store_bench.format_store_report(report), report, args.json)
     if args.check_targets and not all(t["met"] for t in report["targets"]):
         return EXIT_FAILED

@@ -36,6 +36,12 @@ them: fresh keys). *retrieve*: `batch_is_exist(keys)` (all must be there), then
 cache hit: each chunk is retrieved once, as a new request reusing a stored prefix reads
 it). A request's time is both calls; every chunk is checked byte for byte.
 
+`concurrency` > 1 runs each cell's calls on that many threads sharing the one client
+(each thread reads into its own region of the destination buffer); a run's GB/s is then
+all threads' bytes over its wall time. `journal` adds a side, hixl on a second master that
+journals every put (fsync'd) with its own holder, and each put form's p50 there is set
+against the in-memory master's (TARGET_JOURNAL).
+
 `python -m hixl.client.store_bench --holder hixl|mooncake --master HOST:PORT --host IP
 --segment BYTES [--forever]` runs a segment holder (scripts/bench_multinode.py --store
 starts the masters and holders on another simulated host this way);
@@ -88,6 +94,10 @@ PUT_OPS = frozenset({"put", "put_from", "put_batch", "batch_put_from"})
 BATCH_OPS = frozenset({"put_batch", "get_batch", "batch_put_from", "batch_get_into"})
 INTO_OPS = frozenset({"get_into", "batch_get_into"})   # read into registered memory
 SYSTEMS = ("hixl", "mooncake")
+#: hixl on a master that journals every put (fsync'd, group commit), with --journal
+JOURNAL_SYSTEM = "hixl-journal"
+#: --journal's target: a journaled put's p50 at most this many times the in-memory one
+TARGET_JOURNAL = 1.3
 #: the caller-shaped workload: LMCache's per-request calls (see the module docstring)
 LMCACHE_OPS = ("lmcache_store", "lmcache_retrieve")
 LMCACHE_SIZES = (256 * KIB, 1 * MIB, 2 * MIB)
@@ -135,6 +145,8 @@ class StoreBenchConfig:
     holders: bool = True            # start the segment holders here; False: already mounted
     local: str | None = None        # this side's IP; None: the one routing to the master
     workload: str = "calls"         # a key of WORKLOADS: every call form, or LMCache's calls
+    concurrency: int = 1            # threads calling the one client at once (calls workload)
+    journal: bool = False           # also hixl on a journaled master of its own
 
     def __post_init__(self) -> None:
         if not self.sizes:
@@ -164,9 +176,10 @@ class StoreBenchConfig:
         return math.ceil(largest / MAX_USAGE / MIB) * MIB + 16 * MIB
 
     def buffer_bytes(self) -> int:
-        """The bench client's local_buffer_size: twice a batch of the largest values
-        (Mooncake's put_batch of 8 x 8784 KiB fails with -600 in exactly one batch)."""
-        return 2 * self.batch * max(self.sizes) + 16 * MIB
+        """The bench client's local_buffer_size: a batch of the largest values per calling
+        thread and one more (Mooncake's put_batch of 8 x 8784 KiB fails with -600 in
+        exactly one batch)."""
+        return (self.concurrency + 1) * self.batch * max(self.sizes) + 16 * MIB
 
     def check(self) -> None:
         if self.workload not in WORKLOADS:
@@ -174,8 +187,13 @@ class StoreBenchConfig:
                              f"got {self.workload!r}")
         if not self.sizes or min(self.sizes) <= 0:
             raise ValueError("sizes must be positive")
-        if self.batch <= 0 or self.runs <= 0 or self.run_bytes <= 0:
-            raise ValueError("batch, runs and run_bytes must be positive")
+        if self.batch <= 0 or self.runs <= 0 or self.run_bytes <= 0 or self.concurrency <= 0:
+            raise ValueError("batch, runs, run_bytes and concurrency must be positive")
+        if self.concurrency > 1 and self.workload != "calls":
+            raise ValueError("--concurrency applies to the calls workload only")
+        if self.journal and (self.master or not self.holders):
+            raise ValueError("--journal starts a journaled hixl-master and its holder here: "
+                             "it cannot be combined with --master or --no-holder")
 
 
 # ---------------------------------------------------------------- verification
@@ -444,8 +462,17 @@ class StoreBench(BenchRun):
         self.src = page_aligned(config.batch * largest + SHIFTS * SHIFT_STEP)
         self.src[:] = np.random.default_rng(20240601).integers(0, 256, self.src.size,
                                                                dtype=np.uint8)
-        self.dst = page_aligned(config.batch * largest)
-        self.sides.append(self._open_hixl())
+        # one destination region per calling thread
+        self.dst = page_aligned(config.concurrency * config.batch * largest)
+        self.sides.append(self._open_hixl("hixl", self.master))
+        if config.journal:
+            self._note("starting a journaled hixl-master")
+            data = tempfile.mkdtemp(prefix="hixl-store-bench-journal-")
+            self._stack.callback(shutil.rmtree, data, True)
+            journaled = MasterProcess(log_level="WARNING", extra=[
+                f"-default_kv_lease_ttl={LEASE_TTL_MS}", "--data-dir", data])
+            self._stack.callback(journaled.close)
+            self.sides.append(self._open_hixl(JOURNAL_SYSTEM, journaled.target))
         mooncake = self._open_mooncake()
         if mooncake is not None:
             self.sides.append(mooncake)
@@ -472,27 +499,28 @@ class StoreBench(BenchRun):
         self._stack.callback(holder.stop)
         return holder.segment
 
-    def _open_hixl(self) -> Side:
+    def _open_hixl(self, system: str, master: str) -> Side:
         from hixl.control import node_identity
         from hixl.store_client import MasterClient
 
-        segment = self._open_holder("hixl", self.master) if self.config.holders else ""
+        segment = self._open_holder("hixl", master) if self.config.holders else ""
         try:
-            store = self._open_client("hixl", self.master)
+            store = self._open_client("hixl", master)
         except CellFailure as exc:
             raise StoreBenchFailure(str(exc)) from None
-        stats = MasterClient(self.master)
+        stats = MasterClient(master)
         self._stack.callback(stats.close)
         mounted = [m.segment for m in stats.list_segments() if m.live]
         if not mounted:
             raise StoreBenchFailure(
-                f"no segment is mounted at hixl-master {self.master}: start a holder there "
-                f"(`python -m hixl.client.store_bench --holder hixl --master {self.master} "
+                f"no segment is mounted at hixl-master {master}: start a holder there "
+                f"(`python -m hixl.client.store_bench --holder hixl --master {master} "
                 f"--host IP --segment {self.config.segment_bytes()}`) or drop --no-holder")
-        here = node_identity()
-        self.across_nodes = all(s.node_id != here for s in mounted)
-        self.holder_segments = sorted({s.engine for s in mounted})
-        return Side("hixl", store, self.master, stats, segment)
+        if system == "hixl":
+            here = node_identity()
+            self.across_nodes = all(s.node_id != here for s in mounted)
+            self.holder_segments = sorted({s.engine for s in mounted})
+        return Side(system, store, master, stats, segment)
 
     def _open_mooncake(self) -> Side | None:
         """Mooncake Store in the same arrangement, or None with the reason noted."""
@@ -559,7 +587,7 @@ class StoreBench(BenchRun):
             # the targets are per call form; the caller-shaped workload reports ratios only
             "targets": (evaluate_store_targets(self.cells, across_nodes=self.across_nodes)
                         if config.workload == "calls" else []),
-            "verified": all(c["verified"] for c in self.cells if c["system"] == "hixl"),
+            "verified": all(c["verified"] for c in self.cells if c["system"] != "mooncake"),
         }
 
     def _cell(self, op: str, size: int) -> None:
@@ -599,6 +627,10 @@ class StoreBench(BenchRun):
             ours.update(mooncake_gbps=theirs["gbps"], mooncake_p50_us=theirs["p50_us"],
                         vs_mooncake=ours["gbps"] / theirs["gbps"],
                         vs_mooncake_p50=ours["p50_gbps"] / theirs["p50_gbps"])
+        journaled = cells.get(JOURNAL_SYSTEM)
+        if journaled is not None:
+            ours.update(journal_p50_us=journaled["p50_us"],
+                        journal_vs_memory_p50=journaled["p50_us"] / ours["p50_us"])
 
     def _one_run(self, side: Side, op: str, size: int,
                  stored: dict[str, list[tuple[str, int]]]) -> Timing:
@@ -615,11 +647,11 @@ class StoreBench(BenchRun):
         try:
             yield
         except (CellFailure, StoreBenchFailure) as exc:
-            if side.system == "hixl":
+            if side.system != "mooncake":
                 raise StoreBenchFailure(str(exc)) from None
             errors.setdefault(side.system, str(exc).splitlines()[0])
         except Exception as exc:
-            if side.system == "hixl":
+            if side.system != "mooncake":
                 raise
             errors.setdefault(side.system, f"{type(exc).__name__}: {exc}".splitlines()[0])
 
@@ -697,10 +729,11 @@ class StoreBench(BenchRun):
             raise CellFailure(f"{side.system} {op}({human_size(size)} x{len(pairs)}) returned "
                               f"{codes if len(codes) > 1 else codes[0]}{_last_error(store)}")
 
-    def _call_get(self, side: Side, op: str, pairs: list[tuple[str, int]], size: int
-                  ) -> list[Any]:
-        """One get-family call; per key what came back (bytes, or a view of dst)."""
-        store, dst = side.store, self.dst
+    def _call_get(self, side: Side, op: str, pairs: list[tuple[str, int]], size: int,
+                  thread: int = 0) -> list[Any]:
+        """One get-family call; per key what came back (bytes, or a view of the calling
+        thread's region of dst)."""
+        store, dst = side.store, self._region(thread, size * len(pairs))
         keys = [k for k, _ in pairs]
         base = int(dst.ctypes.data)
         if op == "get":
@@ -724,6 +757,62 @@ class StoreBench(BenchRun):
             verify(f"{side.system} {op} {human_size(size)} key {key}",
                    self._expected(offset, size), got)
 
+    def _region(self, thread: int, length: int) -> np.ndarray:
+        """The calling thread's part of dst (each thread reads into its own)."""
+        start = thread * (self.dst.size // self.config.concurrency)
+        return self.dst[start:start + length]
+
+    def _timed(self, count: int, call: Callable[[int, int], Callable[[], None] | None],
+               prepare: Callable[[int, int], None] | None = None) -> Timing:
+        """`call(index, thread)` for each index: the first WARMUP_CALLS untimed, the rest
+        timed, on `concurrency` threads taking indexes in turn (started together; a
+        run's time is then the wall time until the last finished). `call` may return a
+        check, run after its call's time was taken; `prepare(index, thread)` runs
+        before it, untimed."""
+        for index in range(min(WARMUP_CALLS, count)):
+            if prepare is not None:
+                prepare(index, 0)
+            check = call(index, 0)
+            if check is not None:
+                check()
+        threads = self.config.concurrency
+        latencies: list[list[int]] = [[] for _ in range(threads)]
+        clock = time.perf_counter_ns
+
+        def work(thread: int) -> None:
+            for index in range(WARMUP_CALLS + thread, count, threads):
+                if prepare is not None:
+                    prepare(index, thread)
+                began = clock()
+                check = call(index, thread)
+                latencies[thread].append(clock() - began)
+                if check is not None:
+                    check()
+        if threads == 1:
+            work(0)
+            return Timing(latencies[0], sum(latencies[0]) / 1e9)
+        failures: list[BaseException] = []
+        start = threading.Barrier(threads + 1)
+
+        def thread_main(thread: int) -> None:
+            start.wait()
+            try:
+                work(thread)
+            except BaseException as exc:  # re-raised in the bench's own thread below
+                failures.append(exc)
+        workers = [threading.Thread(target=thread_main, args=(t,), daemon=True,
+                                    name=f"store-bench-{t}") for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        start.wait()
+        began = clock()
+        for worker in workers:
+            worker.join()
+        wall = clock() - began
+        if failures:
+            raise failures[0]
+        return Timing([ns for per_thread in latencies for ns in per_thread], wall / 1e9)
+
     def _put_run(self, side: Side, op: str, size: int) -> Timing:
         """WARMUP_CALLS + calls puts of fresh keys; then every key is read back, checked
         and removed."""
@@ -731,14 +820,9 @@ class StoreBench(BenchRun):
         calls = self.config.calls_for(keys * size)
         self._make_room(side, (WARMUP_CALLS + calls) * keys * size)
         plan = self._values(WARMUP_CALLS + calls, keys, size)
-        latencies: list[int] = []
-        clock = time.perf_counter_ns
         try:
-            for index, pairs in enumerate(plan):
-                began = clock()
-                self._call_put(side, op, pairs, size)
-                if index >= WARMUP_CALLS:
-                    latencies.append(clock() - began)
+            timing = self._timed(len(plan), lambda index, _: self._call_put(
+                side, op, plan[index], size))
             everything = [pair for pairs in plan for pair in pairs]
             for start in range(0, len(everything), self.config.batch):
                 chunk = everything[start:start + self.config.batch]
@@ -747,7 +831,7 @@ class StoreBench(BenchRun):
                             size, self._call_get(side, "batch_get_into", chunk, size))
         finally:
             self._remove(side, [k for pairs in plan for k, _ in pairs])
-        return Timing(latencies, sum(latencies) / 1e9)
+        return timing
 
     def _lmcache_run(self, side: Side, op: str, size: int) -> Timing:
         """WARMUP_CALLS + calls requests of `batch` fresh chunks, the calls LMCache's
@@ -806,19 +890,15 @@ class StoreBench(BenchRun):
         each checked byte for byte after it returns."""
         keys = self.config.keys_per_call(op)
         calls = self.config.calls_for(keys * size)
-        latencies: list[int] = []
-        clock = time.perf_counter_ns
-        for index in range(WARMUP_CALLS + calls):
+
+        def call(index: int, thread: int) -> Callable[[], None]:
             pairs = stored if keys > 1 else [stored[index % len(stored)]]
-            if op in INTO_OPS:
-                self.dst[:len(pairs) * size] = 0
-            began = clock()
-            results = self._call_get(side, op, pairs, size)
-            elapsed = clock() - began
-            if index >= WARMUP_CALLS:
-                latencies.append(elapsed)
-            self._check(side, op, pairs, size, results)
-        return Timing(latencies, sum(latencies) / 1e9)
+            results = self._call_get(side, op, pairs, size, thread)
+            return lambda: self._check(side, op, pairs, size, results)
+
+        def zero(_: int, thread: int) -> None:  # a read that wrote nothing fails its check
+            self._region(thread, keys * size)[:] = 0
+        return self._timed(WARMUP_CALLS + calls, call, zero if op in INTO_OPS else None)
 
 
 # ---------------------------------------------------------------- statistics and targets
@@ -839,14 +919,21 @@ def summarize(timings: list[Timing], call_bytes: int, keys: int) -> dict[str, An
 def evaluate_store_targets(cells: list[dict[str, Any]], *, across_nodes: bool
                            ) -> list[dict[str, Any]]:
     """Every hixl cell measured against Mooncake in the same run: >= 5x its GB/s on one
-    node (both with the segment in another process), >= 2x across nodes over TCP."""
+    node (both with the segment in another process), >= 2x across nodes over TCP; with
+    --journal, every put form's p50 on the journaled master <= 1.3x the in-memory one."""
     limit = TARGET_ACROSS_NODES if across_nodes else TARGET_ONE_NODE
     name = (f"across nodes (tcp): >= {limit:g}x Mooncake Store" if across_nodes
             else f"one node: >= {limit:g}x Mooncake Store")
+    ours = [c for c in cells if c["system"] == "hixl"]
+    journal = f"journal: put p50 <= {TARGET_JOURNAL:g}x in memory"
     return [{"target": name, "op": c["op"], "size": c["size"], "batch": c["batch"],
              "metric": "vs_mooncake", "value": c["vs_mooncake"], "limit": limit,
              "met": c["vs_mooncake"] >= limit}
-            for c in cells if c["system"] == "hixl" and "vs_mooncake" in c]
+            for c in ours if "vs_mooncake" in c] + [
+            {"target": journal, "op": c["op"], "size": c["size"], "batch": c["batch"],
+             "metric": "journal_vs_memory_p50", "value": c["journal_vs_memory_p50"],
+             "limit": TARGET_JOURNAL, "met": c["journal_vs_memory_p50"] <= TARGET_JOURNAL}
+            for c in ours if "journal_vs_memory_p50" in c and c["op"] in PUT_OPS]
 
 
 # ---------------------------------------------------------------- report
@@ -864,6 +951,14 @@ def format_store_report(report: dict[str, Any]) -> str:
                    f" {mooncake['metadata']}, master {mooncake['master']}), same arrangement")
     else:
         out.append(f"Mooncake Store not measured: {mooncake['reason']}")
+    config = report["config"]
+    if config.get("concurrency", 1) > 1:
+        out.append(f"{config['concurrency']} threads call the client at once: GB/s and "
+                   f"keys/s are all threads' together, latencies per call")
+    journal = config.get("journal", False)
+    if journal:
+        out.append("with a second hixl-master that journals every put (fsync'd; its own "
+                   "holder): p50 and its ratio to the in-memory master's in the last columns")
     by_key = {(c["system"], c["op"], c["size"]): c for c in report["cells"]}
     rows, skipped = [], []
     for cell in report["cells"]:
@@ -882,10 +977,13 @@ def format_store_report(report: dict[str, Any]) -> str:
             if theirs is not None:
                 skipped.append(f"mooncake {cell['op']} {human_size(cell['size'])}: skipped: "
                                f"{theirs['skipped']}")
+        if journal:
+            row += ([f"{cell['journal_p50_us']:.0f}", f"{cell['journal_vs_memory_p50']:.2f}x"]
+                    if "journal_p50_us" in cell else ["-", "-"])
         rows.append(row)
-    out += ["", format_table(["op", "size", "batch", "calls", "GB/s", "keys/s", "p50 us",
-                              "p99 us", "MC GB/s", "MC keys/s", "MC p50", "MC p99", "ratio"],
-                             rows),
+    columns = ["op", "size", "batch", "calls", "GB/s", "keys/s", "p50 us", "p99 us", "MC GB/s",
+               "MC keys/s", "MC p50", "MC p99", "ratio"]
+    out += ["", format_table(columns + (["jrnl p50", "jrnl/mem"] if journal else []), rows),
             f"(medians over {report['config']['runs']} runs; "
             + ("a request's time is its batch_is_exist and its batch_put_from / batch_get_into"
                if report["config"].get("workload") == "lmcache"

@@ -93,6 +93,7 @@ def test_every_cell_is_measured_verified_and_compared_with_mooncake() -> None:
     (["--run-bytes", "-1"], "--run-bytes"),
     (["--bogus"], "--bogus"),
     (["--workload", "vllm"], "--workload"),
+    (["--concurrency", "0"], "--concurrency"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(command: list[str], flags: list[str], named: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -100,6 +101,40 @@ def test_bad_flags_exit_2_naming_the_flag(command: list[str], flags: list[str], 
         cli.main([*command, *flags])
     assert exc.value.code == cli.EXIT_USAGE
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--journal", "--master", "10.0.0.1:50051"], "--journal"),
+    (["--journal", "--no-holder"], "--no-holder"),
+    (["--concurrency", "2", "--workload", "lmcache"], "--concurrency"),
+])
+def test_flags_that_do_not_go_together_exit_2_naming_them(
+        flags: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "store", *flags]) == cli.EXIT_USAGE
+    assert named in capsys.readouterr().err
+
+
+def test_concurrent_threads_and_a_journaled_master_are_measured_and_verified() -> None:
+    """--concurrency 3 --journal: every cell of both hixl masters verified, each put
+    form with its journaled p50 beside the in-memory one, and that target reported."""
+    config = StoreBenchConfig(sizes=(64 << 10,), batch=2, runs=1, run_bytes=256 << 10,
+                              mooncake=False, concurrency=3, journal=True)
+    report = store_bench.run_store_bench(config)
+    assert report["verified"] is True
+    cells = {(c["system"], c["op"]): c for c in report["cells"]}
+    for system in ("hixl", store_bench.JOURNAL_SYSTEM):
+        for op in store_bench.OPS:
+            cell = cells[(system, op)]
+            assert cell["verified"] is True and cell["calls"] >= store_bench.MIN_CALLS
+    for op in store_bench.OPS:
+        ours = cells[("hixl", op)]
+        assert ours["journal_vs_memory_p50"] == pytest.approx(
+            cells[(store_bench.JOURNAL_SYSTEM, op)]["p50_us"] / ours["p50_us"])
+    journal = [t for t in report["targets"] if t["metric"] == "journal_vs_memory_p50"]
+    assert {t["op"] for t in journal} == store_bench.PUT_OPS
+    assert all(t["met"] == (t["value"] <= store_bench.TARGET_JOURNAL) for t in journal)
+    table = store_bench.format_store_report(report)
+    assert "3 threads call the client at once" in table and "jrnl/mem" in table
 
 
 def test_both_spellings_parse_to_the_same_config() -> None:
@@ -129,12 +164,14 @@ def test_verify_names_the_first_wrong_byte_on_real_buffers() -> None:
         verify("label", expected, b"")  # what Mooncake's get returns for a missing key
 
 
-def test_a_value_replaced_behind_the_benchs_back_fails_the_get_cell() -> None:
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_a_value_replaced_behind_the_benchs_back_fails_the_get_cell(concurrency: int) -> None:
     """The real path: a store whose value is not what the bench put (here replaced with an
-    upsert through the same client) makes the get run fail, naming the key."""
+    upsert through the same client) makes the get run fail, naming the key -- also when
+    the check runs on one of several calling threads."""
     size = 64 << 10
     config = StoreBenchConfig(sizes=(size,), batch=2, runs=1, run_bytes=256 << 10,
-                              mooncake=False)
+                              mooncake=False, concurrency=concurrency)
     with StoreBench(config) as bench:
         assert bench.mooncake_info == {"measured": False,
                                        "reason": "not asked for (--no-mooncake)"}
