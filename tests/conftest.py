@@ -25,14 +25,11 @@ import contextlib
 import importlib.util
 import inspect
 import os
-import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
@@ -43,6 +40,7 @@ from etcd_cluster import EtcdCluster, start_cluster_or_skip
 
 from hixl.auth import load_token
 from hixl.client.agent_client import AgentClient, AgentInfo
+from hixl.processes import DaemonProcess, ProcessNotReady
 
 READY_PREFIX = "hixl-agent serving "
 START_TIMEOUT_S = 30.0
@@ -97,24 +95,16 @@ def _private_state_dir() -> Iterator[None]:
     shutil.rmtree(TEST_STATE_DIR, ignore_errors=True)
 
 
-def wait_ready(proc: subprocess.Popen[str], log_path: str, timeout: float) -> str:
-    """The ready line from the agent's stdout; fails the test (with its log) otherwise."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                line = proc.stdout.readline()
-                if line.startswith(READY_PREFIX):
-                    return line.strip()
-                if not line:  # exited before becoming ready
-                    break
-    proc.kill()
-    proc.wait(10)
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        log = f.read()
-    pytest.fail(f"hixl-agent did not become ready (rc={proc.returncode}); its log:\n{log}")
+def start_agent(config_path: str, *args: str, log_path: str, env: Mapping[str, str] | None = None,
+                timeout: float = START_TIMEOUT_S, **popen: Any) -> tuple[DaemonProcess, str]:
+    """A hixl-agent started from `config_path` (stderr to `log_path`, environment
+    clean_env(env)) and its ready line, once it serves; fails the test with its log otherwise."""
+    agent = DaemonProcess(agent_command(config_path, *args), name="hixl-agent",
+                          ready=READY_PREFIX, env=clean_env(env), log_path=log_path, **popen)
+    try:
+        return agent, agent.wait_ready(timeout)
+    except ProcessNotReady as exc:
+        pytest.fail(str(exc))
 
 
 def parse_ready(line: str) -> dict[str, str]:
@@ -132,13 +122,15 @@ def agent_process() -> Iterator[Callable[..., AgentProcess]]:
     runtime_dir by default); `args` are extra command-line flags; `env` extra environment.
     Every agent started is killed (if still running) and its runtime dir removed at teardown.
     """
-    started: list[tuple[subprocess.Popen[str], str, Any]] = []
+    daemons: list[DaemonProcess] = []
+    workdirs: list[str] = []
 
     def start(config: Mapping[str, Any] | None = None, args: tuple[str, ...] | list[str] = (),
               env: Mapping[str, str] | None = None,
               timeout: float = START_TIMEOUT_S) -> AgentProcess:
         # short path: unix socket paths are limited to 107 bytes
         workdir = tempfile.mkdtemp(prefix="hxa-")
+        workdirs.append(workdir)
         runtime_dir = os.path.join(workdir, "run")
         settings: dict[str, Any] = {"host": "127.0.0.1", "grpc_port": 0, "data_port": 0,
                                     "runtime_dir": runtime_dir, "log_level": "INFO",
@@ -148,30 +140,23 @@ def agent_process() -> Iterator[Callable[..., AgentProcess]]:
         with open(config_path, "w", encoding="utf-8") as f:
             yaml.safe_dump(settings, f)
         log_path = os.path.join(workdir, "agent.log")
-        log_file = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - outlives this call
-        proc = subprocess.Popen(agent_command(config_path, *args), stdout=subprocess.PIPE,
-                                stderr=log_file, text=True, env=clean_env(env))
-        log_file.close()
-        started.append((proc, workdir, None))
-        line = wait_ready(proc, log_path, timeout)
+        daemon, line = start_agent(config_path, *args, log_path=log_path, env=env,
+                                   timeout=timeout)
+        daemons.append(daemon)
         engine = parse_ready(line)["engine"]
         # the agent's own token resolution: its cluster_token_file, else the environment
         token = load_token(settings.get("cluster_token_file") or None, clean_env(env))
         with AgentClient(engine, timeout=10.0, cluster_token=token) as client:
             info = client.handshake("pytest")
-        return AgentProcess(proc, engine, info, runtime_dir=settings["runtime_dir"],
+        return AgentProcess(daemon.proc, engine, info, runtime_dir=settings["runtime_dir"],
                             log_path=log_path, config_path=config_path, ready_line=line)
 
     yield start
 
-    for proc, workdir, _ in started:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGKILL)
+    for daemon in daemons:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+            daemon.kill()
+    for workdir in workdirs:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -268,6 +253,8 @@ def _in_tests(module_name: str) -> bool:
 
 _SPAWN_WORDS = ("subprocess", "multiprocessing", "os.fork", "posix_spawn", "forkpty")
 _LIBRARY_SPAWNS: dict[str, bool] = {}
+#: library functions that start nothing, in a module that can (the launcher's port picker)
+_STARTS_NOTHING = frozenset({("hixl.processes", "free_port"), ("hixl.processes", "free_ports")})
 
 
 def _library_spawns(module_name: str, _path: tuple[str, ...] = ()) -> bool:
@@ -364,7 +351,8 @@ class _Reach:
             self.kinds.add(_KIND_OF_HELPER[module_name])
             return
         if module_name.startswith("hixl"):
-            if _library_spawns(module_name):
+            if (_library_spawns(module_name)
+                    and (module_name, getattr(value, "__name__", "")) not in _STARTS_NOTHING):
                 self.kinds.add("process")
             return
         if not _in_tests(module_name):

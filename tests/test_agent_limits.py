@@ -13,9 +13,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -24,7 +22,7 @@ from typing import Any
 import pytest
 import waiting
 import yaml
-from conftest import TEST_STATE_DIR, AgentProcess, agent_command, clean_env, parse_ready, wait_ready
+from conftest import TEST_STATE_DIR, AgentProcess, parse_ready, start_agent
 
 from hixl import wire
 from hixl.client.agent_client import AgentClient
@@ -156,23 +154,18 @@ def low_fd_agent() -> Iterator[AgentProcess]:
     def low_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 
-    with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen(agent_command(config_path), stdout=subprocess.PIPE,
-                                stderr=log_file, text=True, env=clean_env(),
-                                preexec_fn=low_limit)
     try:
-        line = wait_ready(proc, log_path, 60.0)
-        engine = parse_ready(line)["engine"]
-        with AgentClient(engine, timeout=10.0) as client:
-            info = client.handshake("pytest")
-        yield AgentProcess(proc, engine, info, runtime_dir=settings["runtime_dir"],
-                           log_path=log_path, config_path=config_path, ready_line=line)
+        agent, line = start_agent(config_path, log_path=log_path, timeout=60.0,
+                                  preexec_fn=low_limit)
+        try:
+            engine = parse_ready(line)["engine"]
+            with AgentClient(engine, timeout=10.0) as client:
+                info = client.handshake("pytest")
+            yield AgentProcess(agent.proc, engine, info, runtime_dir=settings["runtime_dir"],
+                               log_path=log_path, config_path=config_path, ready_line=line)
+        finally:
+            agent.kill()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -19,7 +19,6 @@ raises OverflowError / RecursionError, not only re.error).
 from __future__ import annotations
 
 import re
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from conftest import START_TIMEOUT_S, agent_command, clean_env, parse_ready, wait_ready
+from conftest import parse_ready, start_agent
 from fuzzing import fuzz_settings
 from google.protobuf import descriptor, message_factory
 from hypothesis import given
@@ -167,19 +166,14 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, grpc.
         "runtime_dir": tempfile.mkdtemp(prefix="hxg-"), "pool": [{"size": "1MiB"}],
         "pool_max_bytes": "4MiB"}))
     log_path = str(workdir / "agent.log")
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(agent_command(str(config)), stdout=subprocess.PIPE,
-                                stderr=log, text=True, env=clean_env())
+    agent, line = start_agent(str(config), log_path=log_path)
     try:
-        engine = parse_ready(wait_ready(proc, log_path, START_TIMEOUT_S))["engine"]
-        process = SimpleNamespace(proc=proc, log=lambda: Path(log_path).read_text())
+        engine = parse_ready(line)["engine"]
+        process = SimpleNamespace(proc=agent.proc, log=lambda: Path(log_path).read_text())
         with grpc.insecure_channel(engine) as channel:
             yield process, channel
     finally:
-        proc.kill()
-        proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        agent.kill()
 
 
 # ---------------------------------------------------------------- the master

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import READY_PREFIX, agent_command, clean_env, parse_ready, wait_ready
+from conftest import READY_PREFIX, clean_env, parse_ready, start_agent
 
 from hixl.client.agent_client import AgentClient
 from hixl.server.config import ENV_PREFIX, AgentConfig, PoolEntry
@@ -137,12 +137,10 @@ def test_agent_takes_its_pool_size_from_the_environment(tmp_path: Path) -> None:
         "runtime_dir": str(tmp_path / "run"), "state_dir": str(tmp_path / "state")}),
         encoding="utf-8")
     log_path = tmp_path / "agent.log"
-    with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen(agent_command(str(config_file), "--grpc_port=0"),
-                                stdout=subprocess.PIPE, stderr=log_file, text=True,
-                                env=clean_env({"HIXL_AGENT_POOL_SIZE": "2MiB"}))
+    agent, line = start_agent(str(config_file), "--grpc_port=0", log_path=str(log_path),
+                              env={"HIXL_AGENT_POOL_SIZE": "2MiB"}, timeout=30.0)
+    proc = agent.proc
     try:
-        line = wait_ready(proc, str(log_path), 30.0)
         assert line.startswith(READY_PREFIX)
         with AgentClient(parse_ready(line)["engine"], timeout=10.0) as client:
             info = client.handshake("pytest")
@@ -151,5 +149,3 @@ def test_agent_takes_its_pool_size_from_the_environment(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
-        assert proc.stdout is not None
-        proc.stdout.close()

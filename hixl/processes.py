@@ -1,0 +1,252 @@
+"""The one process launcher of the tools, benches, tests and scripts.
+
+Each of them starts daemons and helpers (a hixl-agent, a hixl-master, a segment holder, a
+worker) for a while. `DaemonProcess` does it one way: spawn the command, wait under a
+deadline for the line that says it is ready (an error naming it, with the tail of its
+log, if it exits or the deadline passes first), stop it for sure (ask, wait a bounded
+time, kill). A thread drains its stdout the whole time, so a chatty child never blocks on
+a full pipe. `free_port` picks a port for a server that must be told its port in advance
+(a restart on the same port, a config written before the start).
+
+Core: imports neither hixl.server nor hixl.client, so that every side may use it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import queue
+import re
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+START_TIMEOUT_S = 30.0  # the ready line's default deadline
+STOP_GRACE_S = 10.0     # how long stop() waits for a polite exit before it kills
+KILL_WAIT_S = 30.0      # how long kill() waits for a SIGKILLed process to be reaped
+TAIL_CHARS = 6000       # how much of a log an error quotes
+
+_D = TypeVar("_D", bound="DaemonProcess")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports nothing listens on now (held open together, so none
+    repeats, then released). Another process may take one meanwhile: a server that can
+    bind port 0 and report it should do that instead."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(family, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (see free_ports)."""
+    return free_ports(1, host)[0]
+
+
+class ProcessNotReady(RuntimeError):
+    """A started process exited, or missed its deadline, before its ready line; the
+    message names it and quotes its log tail. Callers re-raise their own error type."""
+
+    def __init__(self, message: str, returncode: int | None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def _tail_of_file(path: str, limit: int) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-limit:]
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+class DaemonProcess:
+    """A child process started for a while, by argv, with `env` (None: ours).
+
+    `ready` is the prefix of the line on stdout saying it serves (or a compiled regex
+    searched in each line; None: nothing to wait for); `wait_ready()` waits for it. stderr
+    goes to `log_path` (appended) when given, else into stdout with the rest of its output.
+    `stop_by` is how stop() asks it to go: "sigterm", or "stdin" for helpers that exit when
+    their stdin closes (then stdin is a pipe). `lines=True` queues every line after the
+    ready one for next_line(); `on_line` is called (on the reader thread) with each line,
+    and with "" once at EOF. `spawn` starts the Popen (a simulated host's, say); the other
+    keywords go to it.
+    """
+
+    def __init__(self, argv: Sequence[str], *, name: str | None = None,
+                 ready: str | re.Pattern[str] | None = None,
+                 env: Mapping[str, str] | None = None, log_path: str | None = None,
+                 stop_by: Literal["sigterm", "stdin"] = "sigterm",
+                 stdin: int | None = None, lines: bool = False,
+                 on_line: Callable[[str], None] | None = None,
+                 spawn: Callable[..., subprocess.Popen[str]] = subprocess.Popen,
+                 tail_lines: int = 40, **popen: Any) -> None:
+        self.argv = list(argv)
+        self.name = name or os.path.basename(self.argv[0])
+        self.log_path = log_path
+        self.stop_by = stop_by
+        self.ready_line: str | None = None
+        self.ready_match: re.Match[str] | None = None
+        self._ready = (None if ready is None else ready if isinstance(ready, re.Pattern)
+                       else re.compile(re.escape(ready)))
+        self._prefix_only = isinstance(ready, str)
+        self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self._lines: queue.Queue[str] | None = queue.Queue() if lines else None
+        self._on_line = on_line
+        self._settled = threading.Event()  # the ready line came, or EOF did
+        if stdin is None:
+            stdin = subprocess.PIPE if stop_by == "stdin" else subprocess.DEVNULL
+        with contextlib.ExitStack() as stack:
+            stderr: Any = subprocess.STDOUT
+            if log_path is not None:
+                stderr = stack.enter_context(open(log_path, "a", encoding="utf-8"))
+            self.proc = spawn(self.argv, stdin=stdin, stdout=subprocess.PIPE, stderr=stderr,
+                              encoding="utf-8", errors="replace",
+                              env=None if env is None else dict(env), **popen)
+        assert self.proc.stdout is not None
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,),
+                                        daemon=True, name=f"hixl-{self.name}-output")
+        self._reader.start()
+
+    # ------------------------------------------------------------ output
+
+    def _matches(self, line: str) -> re.Match[str] | None:
+        assert self._ready is not None
+        return self._ready.match(line) if self._prefix_only else self._ready.search(line)
+
+    def _read(self, stream: Any) -> None:
+        try:
+            for line in stream:
+                self._tail.append(line.rstrip("\n"))
+                if self._ready is not None and self.ready_line is None:
+                    match = self._matches(line)
+                    if match is None:
+                        continue
+                    self.ready_match, self.ready_line = match, line.strip()
+                    self._settled.set()
+                    continue
+                if self._lines is not None:
+                    self._lines.put(line)
+                if self._on_line is not None:
+                    self._on_line(line)
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                stream.close()
+            if self._lines is not None:
+                self._lines.put("")
+            if self._on_line is not None:
+                self._on_line("")
+            self._settled.set()
+
+    def next_line(self, timeout: float) -> str | None:
+        """The next line after the ready one (needs lines=True): "" at EOF, None when
+        `timeout` s pass first."""
+        assert self._lines is not None, "started without lines=True"
+        try:
+            line = self._lines.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return None
+        if line == "":
+            self._lines.put("")  # EOF stays EOF for the next caller
+        return line
+
+    def log(self) -> str:
+        """Its whole log file; without one, the last lines of its output."""
+        if self.log_path is not None:
+            return _tail_of_file(self.log_path, 1 << 30)
+        return "\n".join(self._tail)
+
+    def tail(self, limit: int = TAIL_CHARS) -> str:
+        """The end of its log and of its output, for an error message."""
+        parts = []
+        if self.log_path is not None:
+            parts.append(f"its log ({self.log_path}):\n{_tail_of_file(self.log_path, limit)}")
+        if self._tail:
+            parts.append("its output:\n" + "\n".join(self._tail)[-limit:])
+        return "\n".join(parts) or "(no output)"
+
+    # ------------------------------------------------------------ start and stop
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> str:
+        """Its ready line (stripped), once it printed it. If it exits or `timeout` s pass
+        first, it is killed and ProcessNotReady raised with its log tail."""
+        assert self._ready is not None, f"{self.name} has no ready line to wait for"
+        self._settled.wait(timeout)
+        if self.ready_line is not None:
+            return self.ready_line
+        if self._settled.is_set():  # EOF: it exited, or closed its stdout
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+            why = (f"exited with status {self.proc.returncode}"
+                   if self.proc.returncode is not None else "closed its output")
+        else:
+            why = f"was not ready after {timeout:g} s"
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            self.kill()
+        raise ProcessNotReady(f"{self.name} {why}; {self.tail()}", self.proc.returncode)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, text: str) -> bool:
+        """Write `text` to its stdin (a pipe); False if it no longer reads it."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(text)
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def kill(self) -> int:
+        """SIGKILL, and wait until it is gone; its exit status."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        return self.proc.wait(KILL_WAIT_S)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int:
+        """Ask it to go (SIGTERM, or EOF on its stdin), wait up to `grace_s`, then kill:
+        never hangs. Its exit status."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                if self.stop_by == "stdin":
+                    assert self.proc.stdin is not None
+                    self.proc.stdin.close()
+                else:
+                    self.proc.terminate()
+            try:
+                return self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        return self.kill()
+
+    def close(self) -> None:
+        """stop(), then let go of its pipes."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.stop()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.proc.stdin.close()
+        self._reader.join(1.0)  # EOF follows its exit (unless a child of its holds the pipe)
+
+    def __enter__(self: _D) -> _D:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["DaemonProcess", "ProcessNotReady", "free_port", "free_ports"]
