@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import waiting
 
-from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig
 from hixl.client.registry_bench import MasterProcess
 from hixl.client.store_bench import HolderProcess
 from hixl.store_client import MasterClient
@@ -65,6 +65,29 @@ def clients(master: MasterProcess) -> Iterator[tuple[MooncakeDistributedStore,
     holder.stop()
 
 
+class Reader:
+    """One way a caller reads a value back as bytes (b"" when the call failed): `get`, or
+    `get_into` / `batch_get_into` on a registered buffer (these take the cached-read
+    path when the key's location is cached)."""
+
+    def __init__(self, store: MooncakeDistributedStore, how: str) -> None:
+        self.store, self.how = store, how
+        self.sink = np.zeros(2 * MiB, np.uint8)
+        assert store.register_buffer(self.sink.ctypes.data, self.sink.nbytes) == 0
+
+    def __call__(self, key: str) -> bytes:
+        if self.how == "get":
+            return self.store.get(key)
+        self.sink[:] = 0
+        addr, room = self.sink.ctypes.data, self.sink.nbytes
+        got = (self.store.get_into(key, addr, room) if self.how == "get_into"
+               else self.store.batch_get_into([key], [addr], [room])[0])
+        return bytes(self.sink[:got]) if got > 0 else b""
+
+
+READS = ["get", "get_into", "batch_get_into"]
+
+
 def master_calls(store: MooncakeDistributedStore) -> int:
     assert store._master is not None
     return store._master.fast_calls
@@ -86,41 +109,45 @@ def test_a_repeated_get_needs_no_master_call(clients: tuple[MooncakeDistributedS
     assert (master_calls(reader), reader._locations.hits) == (before, hits + 2)
 
 
+@pytest.mark.parametrize("how", READS)
 @pytest.mark.parametrize("change", ["remove", "upsert"])
 def test_no_stale_read_once_another_clients_change_returned(
-        clients: tuple[MooncakeDistributedStore, ...], change: str) -> None:
-    writer, reader = clients
+        clients: tuple[MooncakeDistributedStore, ...], change: str, how: str) -> None:
+    writer, store = clients
+    reader = Reader(store, how)
     old, new = pattern(2, 50_000), pattern(3, 70_000)
     for round_ in range(3):
         key = f"k{round_}"
         assert writer.put(key, old) == 0
-        assert reader.get(key) == old and reader.get(key) == old   # the second: cached
+        assert reader(key) == old and reader(key) == old   # the second: cached
         if change == "remove":
             assert writer.remove(key) == ErrorCode.OBJECT_HAS_LEASE   # leased: kept
-            assert reader.get(key) == old
+            assert reader(key) == old
             assert writer.remove(key, force=True) == 0
-            assert reader.get(key) == b""
-            assert reader.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+            assert reader(key) == b""
+            assert store.last_error_code == ErrorCode.OBJECT_NOT_FOUND
         else:
             assert writer.upsert(key, new) == 0
-            assert reader.get(key) == new
+            assert reader(key) == new
 
 
 # a lease that outlasts the fills: they evict only values older than the eviction grace
+@pytest.mark.parametrize("how", READS)
 @pytest.mark.parametrize("lease_ms", [10_000])
 def test_eviction_never_takes_a_value_a_cache_may_still_read(
-        master: MasterProcess, clients: tuple[MooncakeDistributedStore, ...]) -> None:
-    writer, reader = clients
+        master: MasterProcess, clients: tuple[MooncakeDistributedStore, ...], how: str) -> None:
+    writer, store = clients
+    reader = Reader(store, how)
     kept = pattern(4, MiB)
     assert writer.put("kept", kept) == 0
-    assert reader.get("kept") == kept                     # leased and cached
+    assert reader("kept") == kept                         # leased and cached
     filler = pattern(5, MiB)
     for i in range(24):                                   # more than the 16 MiB pool holds
         # a full pool whose other values were all just put evicts none of them (the
         # eviction grace): NO_AVAILABLE_HANDLE until the oldest may go
         eventually(lambda i=i: writer.put(f"fill-{i}", filler),
                    "room once the eviction grace passed", done=lambda rc: rc == 0)
-    assert reader.get("kept") == kept                     # evicted around it
+    assert reader("kept") == kept                         # evicted around it
     with MasterClient(master.target, timeout=GIVE_UP_S) as check:
         eventually(lambda: check.list_keys("^kept$").keys[0].lease_ms, "lease end",
                    done=lambda ms: ms == 0)
@@ -128,5 +155,61 @@ def test_eviction_never_takes_a_value_a_cache_may_still_read(
             eventually(lambda i=i: writer.put(f"fill-{i}", filler),
                        "room once the eviction grace passed", done=lambda rc: rc == 0)
         assert check.exist_key("kept") == ErrorCode.OBJECT_NOT_FOUND
-    assert reader.get("kept") == b""                      # never another value's bytes
-    assert reader.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+    assert reader("kept") == b""                          # never another value's bytes
+    assert store.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+
+
+def test_cached_reads_of_a_killed_holder_fail_instead_of_reading_its_memory(
+        master: MasterProcess) -> None:
+    """A holder SIGKILLed after its values were cached: the memory this client still maps
+    is intact, but the value is gone with its holder, so get_into / batch_get_into fail
+    (the cached read's liveness check sends them down the general path, which reports
+    the failure) rather than return its bytes."""
+    holder = HolderProcess("hixl", master.target, "127.0.0.1", 16 * MiB)
+    writer, store = pure_client(master), pure_client(master)
+    try:
+        value = pattern(6, 100_000)
+        assert writer.put("k", value) == 0
+        reader = Reader(store, "get_into")
+        assert reader("k") == value and reader("k") == value
+        hits = store._locations.hits
+        holder.proc.kill()
+        holder.proc.wait(GIVE_UP_S)
+        for how in ("get_into", "batch_get_into"):
+            assert Reader(store, how)("k") == b"", how
+            assert store.last_error_code < 0
+        assert store._locations.hits > hits   # the locations were cached: the fast path ran
+    finally:
+        store.close()
+        writer.close()
+        holder.stop()
+
+
+def test_batch_get_into_over_two_holders_reads_every_value(master: MasterProcess) -> None:
+    """Values cached on two holders (two peers: not the one-peer cached read) come back
+    whole through the general path, in order."""
+    holders = [HolderProcess("hixl", master.target, "127.0.0.1", 16 * MiB) for _ in range(2)]
+    writer, store = pure_client(master), pure_client(master)
+    try:
+        values = {f"v{i}": pattern(10 + i, 30_000 + i) for i in range(12)}
+        for i, (key, value) in enumerate(values.items()):   # alternately on each holder
+            config = ReplicateConfig(preferred_segment=holders[i % 2].segment)
+            assert writer.put(key, value, config) == 0
+        sink = np.zeros(12 * 64 << 10, np.uint8)
+        assert store.register_buffer(sink.ctypes.data, sink.nbytes) == 0
+        ptrs = [sink.ctypes.data + i * (64 << 10) for i in range(12)]
+        for _ in range(2):   # the second time every location is cached
+            sink[:] = 0
+            got = store.batch_get_into(list(values), ptrs, [64 << 10] * 12)
+            assert got == [len(v) for v in values.values()]
+            for i, value in enumerate(values.values()):
+                start = i * (64 << 10)
+                assert bytes(sink[start:start + len(value)]) == value
+        engines = {r.engine for key in values
+                   for r in store._locations.get(key).replicas}  # type: ignore[union-attr]
+        assert len(engines) == 2, engines
+    finally:
+        store.close()
+        writer.close()
+        for holder in holders:
+            holder.stop()

@@ -1065,7 +1065,10 @@ class MooncakeDistributedStore:
 
     def _ordered(self, replicas: Sequence[Replica]) -> list[Replica]:
         """This process's segment first, then same-node peers, then the rest."""
-        return sorted(replicas, key=lambda r: (not self._is_local(r), r.node_id != self._node_id))
+        return sorted(replicas, key=self._nearness)
+
+    def _nearness(self, replica: Replica) -> tuple[bool, bool]:
+        return not self._is_local(replica), replica.node_id != self._node_id
 
     # ------------------------------------------------------------ put
 
@@ -1699,12 +1702,65 @@ class MooncakeDistributedStore:
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read into a registered buffer: bytes read, or a negative code."""
+        done = self._read_cached((key,), (buffer_ptr,), (size,))
+        if done is not None:
+            return done[0]
         return self._single(self._dests_call("get_into", [key], [[buffer_ptr]], [[size]]))
 
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int],
                        sizes: list[int]) -> list[int]:
         """get_into per key, one GetReplicas for all: bytes or a negative code per key."""
+        if type(keys) is list and type(buffer_ptrs) is list and type(sizes) is list \
+                and len(keys) == len(buffer_ptrs) == len(sizes):
+            done = self._read_cached(keys, buffer_ptrs, sizes)
+            if done is not None:
+                return done
         return self._dests_call("batch_get_into", keys, *self._one_part(keys, buffer_ptrs, sizes))
+
+    def _read_cached(self, keys: Sequence[Any], ptrs: Sequence[Any], sizes: Sequence[Any],
+                     ) -> list[int] | None:
+        """get_into of keys whose locations are all in the cache (a repeated read of
+        unchanged values: no master call), into registered buffers, each key's nearest
+        replica in this process's segment or on one peer this client already reads from:
+        one copy per key, without the general path's per-call bookkeeping (a 64 KiB
+        read: ~15 µs instead of ~35). None when any key does not qualify or the
+        transfer fails: the caller then takes the general path, which decides and
+        reports everything (a failed read changes nothing but the caller's buffer)."""
+        engine = self._engine
+        if engine is None or self._master is None or not keys:
+            return None
+        for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
+            if type(key) is not str or type(ptr) is not int or type(size) is not int \
+                    or size <= 0 or ptr < 0 or _key_problem(key) \
+                    or not self._inside_buffer(ptr, size):
+                return None
+        local: list[tuple[int, int, int]] = []
+        remote: list[tuple[int, int, int]] = []
+        target = ""
+        with self._reads.reading(keys):
+            found = [self._locations.get(key) for key in keys]
+            for result, ptr, size in zip(found, ptrs, sizes, strict=True):
+                if result is None or not 0 < result.size <= size:
+                    return None
+                replica = min(result.replicas, key=self._nearness)
+                if self._is_local(replica):
+                    local.append((ptr, replica.addr, result.size))
+                    continue
+                if target and replica.engine != target or (
+                        replica.engine, replica.segment_id, replica.epoch) not in self._verified:
+                    return None
+                target = replica.engine
+                remote.append((ptr, replica.addr, result.size))
+            if target and not engine.is_connected(target):
+                return None
+            copy_moves(local)
+            if remote:
+                try:
+                    engine.transfer(target, TransferOp.READ, remote, self._transfer_timeout,
+                                    local_registered=False)
+                except HixlError:
+                    return None
+        return [result.size for result in found]  # type: ignore[union-attr]
 
     def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
                                      all_sizes: list[list[int]],
