@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import starmap
@@ -128,6 +128,23 @@ def _tune_malloc(limit: int | None) -> str:
             f"{mmap_threshold} from its heap ({KEEP_FREED_ENV})")
 
 
+def load_fastwire() -> Any:
+    """hixl._fastwire (hixl/_fastwire.c: the socket path's lone op and copy_runs, built by
+    pip when a compiler is there); None without it, or with HIXL_FASTWIRE=0 (the same
+    work in Python)."""
+    if os.environ.get("HIXL_FASTWIRE", "1").strip() == "0":
+        return None
+    try:
+        from hixl import _fastwire
+    except ImportError:
+        return None
+    return _fastwire
+
+
+#: the compiled copy loop for array batches (copy_arrays), or None: numpy and ctypes
+_FAST_COPY = getattr(load_fastwire(), "copy_runs", None)
+
+
 # Parallel copies. One thread's memcpy tops out near 7-12 GB/s on a VM core; two threads
 # on two cores do 10-15 GB/s (measured: an 8784 KiB block into a mapped memfd, 12 -> 15
 # GB/s). A hand-off to a worker costs ~20-50 µs, so only copies of PARALLEL_COPY_MIN bytes
@@ -209,8 +226,10 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
                 total: int | None = None) -> None:
     """copy_moves for moves given as three int64 arrays (an array batch).
 
-    Many moves of one small size (pages up to SMALL_MOVE_MAX) are copied by numpy
-    (_copy_small). Moves must not overlap one another.
+    With hixl._fastwire every share of the moves is one C loop without the GIL
+    (copy_runs: 4 KiB pages at memory speed); without it, many moves of one small size
+    (pages up to SMALL_MOVE_MAX) are copied by numpy (_copy_small). Moves must not
+    overlap one another.
 
     Why: cutting many moves into per-thread shares one move at a time (split_moves)
     costs more than copying small pages, and small moves are faster on one thread
@@ -218,7 +237,8 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
     boundaries found by one searchsorted over the running byte count instead (shares
     then differ by at most one move's bytes).
     """
-    if lengths.size >= _SMALL_MOVES_MIN:
+    fast = _FAST_COPY
+    if fast is None and lengths.size >= _SMALL_MOVES_MIN:
         size = int(lengths.max())
         if size <= SMALL_MOVE_MAX and int(lengths.min()) == size:
             _copy_small(dst, src, size)
@@ -228,7 +248,10 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
     shares = min(COPY_THREADS, total // _COPY_PIECE_MIN) if total >= PARALLEL_COPY_MIN and \
         total >= PARALLEL_MOVE_MIN * lengths.size else 1
     if shares <= 1:
-        _run_moves(array_moves(dst, src, lengths))
+        if fast is not None:
+            fast(dst, src, lengths)
+        else:
+            _run_moves(array_moves(dst, src, lengths))
         return
     if lengths.size < shares * _MOVES_PER_SHARE:
         copy_moves(array_moves(dst, src, lengths), total)
@@ -236,12 +259,18 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
     ends = np.cumsum(lengths)
     inner = np.searchsorted(ends, np.arange(1, shares) * (total // shares)) + 1
     cuts = [0, *np.minimum(inner, lengths.size).tolist(), lengths.size]
-    parts = [array_moves(dst[a:b], src[a:b], lengths[a:b])
-             for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+    if fast is not None:
+        parts: list[Any] = [(dst[a:b], src[a:b], lengths[a:b])
+                            for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+        run: Callable[[Any], None] = lambda part: fast(*part)  # noqa: E731
+    else:
+        parts = [array_moves(dst[a:b], src[a:b], lengths[a:b])
+                 for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
+        run = _run_moves
     pool = _pool()
-    futures: list[Future[None]] = [pool.submit(_run_moves, part) for part in parts[1:]]
+    futures: list[Future[None]] = [pool.submit(run, part) for part in parts[1:]]
     try:
-        _run_moves(parts[0])
+        run(parts[0])
     finally:
         for future in futures:
             future.result()

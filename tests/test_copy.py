@@ -8,8 +8,16 @@ import os
 import numpy as np
 import pytest
 
+from hixl import memory
 from hixl.errors import ParamInvalid
-from hixl.memory import PARALLEL_COPY_MIN, ShmSegment, copy_moves, new_bytes, split_moves
+from hixl.memory import (
+    PARALLEL_COPY_MIN,
+    ShmSegment,
+    copy_arrays,
+    copy_moves,
+    new_bytes,
+    split_moves,
+)
 
 
 def _addr(array: np.ndarray) -> int:
@@ -98,3 +106,68 @@ def test_new_bytes_is_a_fresh_object_to_fill(size: int) -> None:
         assert addr == 0 and value == b""
     with pytest.raises(ParamInvalid, match="size must be >= 0"):
         new_bytes(-1)
+
+
+COPY_PATHS = ["c", "python"]
+
+
+@pytest.fixture(params=COPY_PATHS)
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """copy_arrays through hixl._fastwire.copy_runs ("c", where built) or numpy/ctypes."""
+    if request.param == "c":
+        if memory._FAST_COPY is None:
+            pytest.skip("hixl._fastwire is not built here (no compiler) or HIXL_FASTWIRE=0")
+    else:
+        monkeypatch.setattr(memory, "_FAST_COPY", None)
+    return request.param
+
+
+@pytest.mark.parametrize(("count", "size"), [
+    (537, 4096),                      # one layer of 4 KiB pages: numpy's small-page path
+    (7, 4096),                        # too few for it
+    (3, PARALLEL_COPY_MIN),           # split over threads, few moves
+    (300, 64 << 10),                  # split over threads, cut at move boundaries
+])
+def test_copy_arrays_copies_every_byte(copy_path: str, count: int, size: int) -> None:
+    """Scattered pages (shuffled order, unaligned destination) land where they belong and
+    nothing else is written, on either path."""
+    rng = np.random.default_rng(count)
+    src = rng.integers(0, 256, count * size, dtype=np.uint8)
+    segment = ShmSegment(count * size + 2 * 4096, name="test-copy-arrays")
+    try:
+        dst = np.frombuffer(segment.view(), dtype=np.uint8)
+        dst[:] = 0xAB
+        order = rng.permutation(count)
+        dsts = _addr(dst) + 4097 + order.astype(np.int64) * size
+        srcs = _addr(src) + np.arange(count, dtype=np.int64) * size
+        lengths = np.full(count, size, dtype=np.int64)
+        copy_arrays(dsts, srcs, lengths)
+        for page, slot in enumerate(order[:50].tolist()):
+            at = 4097 + slot * size
+            assert np.array_equal(dst[at:at + size], src[page * size:(page + 1) * size])
+        assert np.array_equal(np.sort(dst[4097:4097 + count * size]), np.sort(src))
+        assert (dst[:4097] == 0xAB).all() and (dst[4097 + count * size:] == 0xAB).all()
+        del dst
+    finally:
+        segment.close()
+
+
+def test_copy_runs_refuses_what_it_cannot_copy_before_moving_a_byte() -> None:
+    fast = memory._FAST_COPY
+    if fast is None:
+        pytest.skip("hixl._fastwire is not built here (no compiler) or HIXL_FASTWIRE=0")
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    d = np.array([_addr(dst), _addr(dst) + 32], dtype=np.int64)
+    s = np.array([_addr(src), _addr(src) + 32], dtype=np.int64)
+    with pytest.raises(ValueError, match=r"lengths\[1\] is negative"):
+        fast(d, s, np.array([8, -1], dtype=np.int64))
+    with pytest.raises(TypeError, match="lengths must be an int64 array"):
+        fast(d, s, np.array([8.0, 8.0]))
+    with pytest.raises(TypeError, match="dst must be an int64 array"):
+        fast(d.astype(np.int32), s, np.array([8, 8], dtype=np.int64))
+    with pytest.raises(ValueError, match="differ in length"):
+        fast(d, s[:1], np.array([8, 8], dtype=np.int64))
+    assert not dst.any()  # nothing moved by a refused call
+    fast(d, s, np.array([8, 8], dtype=np.int64))
+    assert dst[:8].tolist() == list(range(8)) and dst[32:40].tolist() == list(range(32, 40))

@@ -46,6 +46,7 @@ from hixl.errors import (
     TransferFailed,
     TransferTimeout,
 )
+from hixl.memory import load_fastwire
 from hixl.sockets import IOV_MAX, Buffer, BufferQueue, tune_socket
 from hixl.transports.base import Item, Transport
 from hixl.types import TransferOp
@@ -75,21 +76,9 @@ _PYBUF_READ = 0x100
 _PYBUF_WRITE = 0x200
 
 
-def _load_fastwire() -> object | None:
-    """hixl._fastwire, the lone op in C (hixl/_fastwire.c, built by pip when a compiler is
-    there); None without it, or with HIXL_FASTWIRE=0 (the same path in pure Python)."""
-    if os.environ.get("HIXL_FASTWIRE", "1").strip() == "0":
-        return None
-    try:
-        from hixl import _fastwire
-    except ImportError:
-        return None
-    return _fastwire
-
-
 #: The compiled lone-op path, or None: read when a transport (or a data server) is made,
 #: so a test can set it to None to run the pure-Python path in the same process.
-FASTWIRE = _load_fastwire()
+FASTWIRE = load_fastwire()
 
 
 def local_view(addr: int, length: int, *, writable: bool) -> memoryview:
