@@ -27,10 +27,8 @@ import ctypes
 import json
 import os
 import platform
-import queue
 import selectors
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -48,6 +46,13 @@ import numpy as np
 from hixl import addresses
 from hixl.errors import HixlError, TransferFailed
 from hixl.memory import ShmSegment
+from hixl.processes import (
+    STOP_GRACE_S,
+    DaemonProcess,
+    ProcessNotReady,
+    free_port,
+    stop_process,
+)
 from hixl.sizes import format_size as human_size
 from hixl.types import TransferOp, TransferOpDesc
 
@@ -220,38 +225,10 @@ def time_async(submit: Callable[[], Any], config: BenchConfig, min_calls: int = 
 # ---------------------------------------------------------------- the agent under test
 
 
-class _OutputPump:
-    """Drains a child's merged stdout/stderr (so it never blocks), keeps the tail, and
-    catches its ready line (hixl-agent's: "hixl-agent serving engine=HOST:PORT ...")."""
-
-    READY_PREFIX = "hixl-agent serving "
-
-    def __init__(self, stream: IO[str], ready_prefix: str = READY_PREFIX) -> None:
-        self.lines: deque[str] = deque(maxlen=40)
-        self.engine_name: str | None = None
-        self.ready_line: str | None = None
-        self.ready = threading.Event()
-        self._prefix = ready_prefix
-        self._thread = threading.Thread(target=self._run, args=(stream,), daemon=True,
-                                        name="hixl-bench-pump")
-        self._thread.start()
-
-    def _run(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.lines.append(line.rstrip())
-            if line.startswith(self._prefix) and not self.ready.is_set():
-                fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
-                self.engine_name = fields.get("engine")
-                self.ready_line = line.strip()
-                self.ready.set()
-        self.ready.set()  # EOF: the agent exited; wait_ready reports it
-
-    def tail(self) -> str:
-        return "\n".join(self.lines) or "(no output)"
-
-
 class AgentProcess:
     """A private `hixl-agent` (free ports, temporary runtime dir), stopped by stop()."""
+
+    READY_PREFIX = "hixl-agent serving "
 
     def __init__(self, pool_bytes: int) -> None:
         self.runtime_dir = tempfile.mkdtemp(prefix="hixl-bench-")
@@ -264,48 +241,29 @@ class AgentProcess:
         # HIXL_AGENT_* variables would override the file: the bench's agent ignores them.
         env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_AGENT_")}
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen(
+        self.process = DaemonProcess(
             [sys.executable, "-c",
              "import sys; from hixl.server.main import agent_main; sys.exit(agent_main())",
              "--config", self.config_path],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=env, start_new_session=True)
-        assert self.proc.stdout is not None
-        self.output = _OutputPump(self.proc.stdout)
+            name="hixl-agent", ready=self.READY_PREFIX, env=env, start_new_session=True)
+        self.proc = self.process.proc
 
     def wait_ready(self, timeout: float = AGENT_START_TIMEOUT_S) -> str:
-        """The agent's engine name, once it prints its ready line."""
-        if not self.output.ready.wait(timeout):
-            raise RuntimeError(f"hixl-agent not ready after {timeout:.0f} s:\n"
-                               f"{self.output.tail()}")
-        if self.output.engine_name is None:
-            self.proc.wait(5)
-            raise RuntimeError(f"hixl-agent exited with status {self.proc.returncode} "
-                               f"before it was ready:\n{self.output.tail()}")
-        self.name = self.output.engine_name
+        """The agent's engine name, once it prints its ready line (ProcessNotReady, a
+        RuntimeError with its output, if it exits or `timeout` passes first)."""
+        self.process.wait_ready(timeout)
+        self.name = self.process.ready_fields["engine"]
         return self.name
 
     def stop(self) -> None:
-        stop_child(self.proc, how=lambda proc: proc.send_signal(signal.SIGTERM))
+        self.process.stop()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
-def stop_child(proc: subprocess.Popen[str], grace_s: float = 10.0,
-               how: Callable[[subprocess.Popen[str]], None] | None = None) -> None:
-    """Stop a helper process this run started: ask (`how`; default: close its stdin, the
-    stop signal of our helpers), wait up to `grace_s`, then kill; never hangs."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(OSError):
-        if how is not None:
-            how(proc)
-        elif proc.stdin is not None:
-            proc.stdin.close()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+def stop_child(proc: subprocess.Popen[str], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop a helper that exits when its stdin closes (store_bench's): close it, wait up to
+    `grace_s`, then kill (hixl.processes.stop_process); never hangs."""
+    stop_process(proc, grace_s, by="stdin")
 
 
 # ---------------------------------------------------------------- raw socket baseline
@@ -458,26 +416,15 @@ class RawStreamServer(RawPeer):
 
     def __init__(self, buffer_bytes: int, workdir: str) -> None:
         unix_path = os.path.join(workdir, "raw.sock")
-        self.proc = subprocess.Popen(
+        self.process = DaemonProcess(
             [sys.executable, "-m", "hixl.client.bench", "--raw-server",
              "--unix", unix_path, "--buffer", str(buffer_bytes)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout],  # type: ignore[union-attr]
-                         daemon=True).start()
-        try:
-            line = lines.get(timeout=AGENT_START_TIMEOUT_S)
-        except queue.Empty:
-            self.stop()
-            raise RuntimeError("raw stream server did not start") from None
-        if not line.startswith(RAW_READY):
-            self.stop()
-            raise RuntimeError(f"raw stream server failed: {line.strip()}")
+            name="raw stream server", ready=RAW_READY, stop_by="stdin")
+        line = self.process.wait_ready(AGENT_START_TIMEOUT_S)
         super().__init__(("127.0.0.1", int(line.split()[1])), unix_path)
 
     def stop(self) -> None:
-        stop_child(self.proc)
+        self.process.stop()
 
 
 class RawStreamClient:
@@ -532,10 +479,7 @@ def range_target_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block", type=int, required=True)
     parser.add_argument("--blocks", type=int, default=HIXL_STYLE_BLOCKS)
     args = parser.parse_args(argv)
-    with socket.socket() as probe:
-        probe.bind((args.host, 0))
-        port = probe.getsockname()[1]
-    with Engine(f"{args.host}:{port}", {"EnableUseFabricMem": "1"}) as engine:
+    with Engine(f"{args.host}:{free_port(args.host)}", {"EnableUseFabricMem": "1"}) as engine:
         pool = engine.malloc(RANGE_OFFSET + args.call_bytes + args.blocks * args.block)
         call_base = pool.addr + RANGE_OFFSET
         engine.register(call_base, args.call_bytes)
@@ -552,23 +496,22 @@ class RangeTarget:
     """The range target process (range_target_main), stopped by stop()."""
 
     def __init__(self, host: str, call_bytes: int, block: int) -> None:
-        self.proc = subprocess.Popen(
+        self.process = DaemonProcess(
             [sys.executable, "-m", "hixl.client.bench", "--range-target", "--host", host,
              "--call-bytes", str(call_bytes), "--block", str(block)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            name="the range target", ready=RANGE_READY, stop_by="stdin",
             start_new_session=True)
-        assert self.proc.stdout is not None
-        self.output = _OutputPump(self.proc.stdout, RANGE_READY)
 
     def wait_ready(self, timeout: float = AGENT_START_TIMEOUT_S) -> Target:
-        if not self.output.ready.wait(timeout) or self.output.ready_line is None:
-            stop_child(self.proc)
-            raise BenchFailure(f"the range target did not start:\n{self.output.tail()}")
-        hello = json.loads(self.output.ready_line.split(" ", 1)[1])
+        try:
+            line = self.process.wait_ready(timeout)
+        except ProcessNotReady as exc:
+            raise BenchFailure(f"the range target did not start: {exc}") from None
+        hello = json.loads(line.split(" ", 1)[1])
         return Target("ranges", hello["engine"], hello["base"], tuple(hello["blocks"]))
 
     def stop(self) -> None:
-        stop_child(self.proc)
+        self.process.stop()
 
 
 # ---------------------------------------------------------------- engine side

@@ -279,7 +279,7 @@ def _run_workers(system: str, role: str, config: MoeBenchConfig, shapes: Sequenc
                  path: str) -> list[dict[str, Any]]:
     """Run one job of n_pes workers; every worker's per-shape records."""
     from hixl.client.shmem_run import run_job
-    from hixl.client.store_bench import free_port
+    from hixl.processes import free_port
 
     job = {"shapes": [asdict(s) for s in shapes], "path": path, "seed": config.seed,
            "warmup": config.warmup, "iterations": config.iterations,

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
+
+from hixl.processes import DaemonProcess, ProcessNotReady
 
 READY = "HIXL-MOONCAKE-READY"
 PROTOCOL = "tcp"
@@ -117,28 +117,6 @@ def parse_ready(line: str) -> tuple[str, int, int]:
     return parts[1], int(parts[2]), int(parts[3])
 
 
-def read_ready(stream: IO[str], timeout: float = START_TIMEOUT_S) -> tuple[str, int, int]:
-    """Wait (with a deadline) for the ready line on a target's stdout; lines before it skip."""
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        for line in stream:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=pump, daemon=True, name="hixl-mooncake-pump").start()
-    seen: list[str] = []
-    while True:
-        try:
-            line = lines.get(timeout=timeout)
-        except queue.Empty:
-            raise MooncakeError(f"Mooncake target not ready after {timeout:.0f} s: "
-                                f"{' | '.join(seen[-5:])}") from None
-        if line.startswith(READY) or not line:
-            return parse_ready(line or " | ".join(seen[-5:]))
-        seen.append(line.strip())
-
-
 def target_command(host: str, buffer_bytes: int) -> list[str]:
     return [sys.executable, "-m", "hixl.client.mooncake_baseline", "--host", host,
             "--buffer", str(buffer_bytes)]
@@ -149,20 +127,20 @@ class TargetProcess:
 
     def __init__(self, host: str, buffer_bytes: int) -> None:
         env = {**os.environ, **_QUIET, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(target_command(host, buffer_bytes), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
-        assert self.proc.stdout is not None
+        self.process = DaemonProcess(target_command(host, buffer_bytes), name="Mooncake target",
+                                     ready=READY, env=env, stop_by="stdin")
+        self.proc = self.process.proc
         try:
-            self.segment, self.addr, self.length = read_ready(self.proc.stdout)
+            self.segment, self.addr, self.length = parse_ready(
+                self.process.wait_ready(START_TIMEOUT_S))
+        except ProcessNotReady as exc:
+            raise MooncakeError(str(exc)) from None
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        from hixl.client.bench import stop_child
-
-        stop_child(self.proc)
+        self.process.stop()
 
 
 # ---------------------------------------------------------------- initiator (in the bench)

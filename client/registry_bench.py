@@ -22,9 +22,6 @@ import math
 import multiprocessing
 import os
 import random
-import selectors
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +35,7 @@ from hixl.addresses import split_host_port
 from hixl.auth import load_token
 from hixl.client.global_table import GlobalTable
 from hixl.errors import HixlError, ParamInvalid
+from hixl.processes import DaemonProcess, ProcessNotReady
 from hixl.registry_client import EngineEndpoints, RegistryClient
 from hixl.types import MemType, Perm, SegmentInfo
 
@@ -52,8 +50,9 @@ BASE = 1 << 40
 # ---------------------------------------------------------------- a hixl-master process
 
 
-class MasterProcess:
-    """A `hixl-master` subprocess on 127.0.0.1 (for the bench and for tests).
+class MasterProcess(DaemonProcess):
+    """A `hixl-master` subprocess on 127.0.0.1 (for the bench and for tests), serving once
+    constructed (HixlError with its log otherwise).
 
     stderr goes to a log file (never a pipe nobody reads, which could fill and block it).
     `port=0` picks a free port; pass the old port to restart a master where it was.
@@ -61,68 +60,32 @@ class MasterProcess:
 
     def __init__(self, port: int = 0, *, log_level: str = "INFO",
                  extra: Sequence[str] = (), log_path: str | None = None) -> None:
-        self.log_path = log_path or tempfile.mkstemp(prefix="hixl-master-", suffix=".log")[1]
-        with open(self.log_path, "a", encoding="utf-8") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hixl.server.master", "--host", "127.0.0.1",
-                 "--port", str(port), "--log-level", log_level,
-                 # metadata kept only when the caller names a place for it (dir or etcd)
-                 *(() if any(f.startswith(("--data-dir", "--etcd-endpoints")) for f in extra)
-                   else ("--no-persist",)),
-                 *extra],
-                stdout=subprocess.PIPE, stderr=log, text=True)
-        self.target = self._wait_ready()
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="hixl-master-", suffix=".log")
+            os.close(fd)
+        super().__init__(
+            [sys.executable, "-m", "hixl.server.master", "--host", "127.0.0.1",
+             "--port", str(port), "--log-level", log_level,
+             # metadata kept only when the caller names a place for it (dir or etcd)
+             *(() if any(f.startswith(("--data-dir", "--etcd-endpoints")) for f in extra)
+               else ("--no-persist",)),
+             *extra],
+            name="hixl-master", ready=MASTER_READY, log_path=log_path,
+            grace_s=MASTER_START_TIMEOUT_S)
+        try:
+            line = self.wait_ready(MASTER_START_TIMEOUT_S)
+        except ProcessNotReady as exc:
+            raise HixlError(str(exc)) from None
+        self.target = line[len(MASTER_READY):].strip()
         self.port = split_host_port(self.target)[1]
 
-    def _wait_ready(self) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + MASTER_START_TIMEOUT_S
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if not sel.select(max(0.0, deadline - time.monotonic())):
-                    continue
-                line = self.proc.stdout.readline()
-                if line.startswith(MASTER_READY):
-                    return line[len(MASTER_READY):].strip()
-                if not line:
-                    break
-        self.kill()
-        raise HixlError(f"hixl-master did not start (rc={self.proc.returncode}); "
-                        f"its log:\n{self.log()}")
-
-    def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def kill(self) -> None:
-        """SIGKILL: the master dies without a word to anyone."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(MASTER_START_TIMEOUT_S)
-
-    def stop(self) -> int:
-        """SIGTERM and wait; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(MASTER_START_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return self.proc.returncode
-
     def close(self) -> None:
+        """Killed (not stopped: a test's master goes at once), its log removed."""
         self.kill()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.log_path)
-
-    def __enter__(self) -> MasterProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().close()
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
 
 
 # ---------------------------------------------------------------- configuration

@@ -49,10 +49,7 @@ import os
 import queue
 import random
 import re
-import selectors
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -67,6 +64,7 @@ from typing import IO, Any
 import numpy as np
 
 from hixl.errors import HixlError, ParamInvalid
+from hixl.processes import DaemonProcess, ProcessNotReady, free_port, free_ports
 
 log = logging.getLogger("hixl.soak")
 
@@ -175,33 +173,11 @@ def _page_aligned(nbytes: int) -> np.ndarray:
 # ---------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _agent_env() -> dict[str, str]:
     """Our environment without HIXL_AGENT_* (they would override the agent's file)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_AGENT_")}
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def _read_line(stream: IO[str], prefix: str, timeout: float) -> str | None:
-    """The first line of `stream` starting with `prefix` (None at EOF or the deadline)."""
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(stream, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if not sel.select(max(0.0, deadline - time.monotonic())):
-                continue
-            line = stream.readline()
-            if not line:
-                return None
-            if line.startswith(prefix):
-                return line.strip()
-    return None
 
 
 class ManagedAgent:
@@ -214,8 +190,8 @@ class ManagedAgent:
         os.makedirs(self.dir, exist_ok=True)
         self.config_path = os.path.join(self.dir, "agent.yaml")
         self.log_path = os.path.join(self.dir, "agent.log")
-        grpc_port = _free_port()
-        settings = {"host": "127.0.0.1", "grpc_port": grpc_port, "data_port": _free_port(),
+        grpc_port, data_port = free_ports(2)
+        settings = {"host": "127.0.0.1", "grpc_port": grpc_port, "data_port": data_port,
                     "runtime_dir": os.path.join(self.dir, "run"), "master": master,
                     "pool_max_bytes": pool_max_bytes, "lease_ttl_ms": 5000,
                     "log_level": "WARNING",
@@ -224,40 +200,30 @@ class ManagedAgent:
         with open(self.config_path, "w", encoding="utf-8") as f:
             json.dump(settings, f)          # JSON is YAML
         self.engine = f"127.0.0.1:{grpc_port}"
-        self.proc: subprocess.Popen[str] | None = None
+        self.process: DaemonProcess | None = None
         self.start()
 
     def start(self) -> None:
-        with open(self.log_path, "a", encoding="utf-8") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hixl.server.main", "--config", self.config_path],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
-                env=_agent_env())
-        assert self.proc.stdout is not None
-        line = _read_line(self.proc.stdout, AGENT_READY, START_TIMEOUT_S)
-        if line is None:
-            self.kill()
-            raise HixlError(f"hixl-agent {self.engine} did not start; see {self.log_path}")
-        # nobody reads its stdout after the ready line; it prints nothing more
+        self.process = DaemonProcess(
+            [sys.executable, "-m", "hixl.server.main", "--config", self.config_path],
+            name=f"hixl-agent {self.engine}", ready=AGENT_READY, env=_agent_env(),
+            log_path=self.log_path)
+        try:
+            self.process.wait_ready(START_TIMEOUT_S)
+        except ProcessNotReady:
+            raise HixlError(f"hixl-agent {self.engine} did not start; see {self.log_path}") \
+                from None
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.process is not None and self.process.alive()
 
     def kill(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(START_TIMEOUT_S)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        if self.process is not None:
+            self.process.kill()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(10)
-        self.kill()
+        if self.process is not None:
+            self.process.stop()
 
 
 class ManagedMaster:
@@ -274,7 +240,7 @@ class ManagedMaster:
         self.extra = ["--data-dir", self.data_dir, f"--default_kv_lease_ttl={LEASE_TTL_MS}"]
         # pin the store call endpoint too, where the master has one: same ports on restart
         if any("--fast-port" in action.option_strings for action in build_parser()._actions):
-            self.extra += ["--fast-port", str(_free_port())]
+            self.extra += ["--fast-port", str(free_port())]
         self.process: Any = None
         self.port = 0
         self.start()
@@ -288,7 +254,7 @@ class ManagedMaster:
         self.port = self.process.port
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.proc.poll() is None
+        return self.process is not None and self.process.alive()
 
     def evictions(self) -> int:
         """Objects evicted in all of this master's lives (its log says each time)."""
@@ -298,13 +264,10 @@ class ManagedMaster:
     def kill(self) -> None:
         if self.process is not None:
             self.process.kill()
-            if self.process.proc.stdout is not None:
-                self.process.proc.stdout.close()
 
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
-            self.kill()
 
 
 class Chaos(threading.Thread):
@@ -903,7 +866,7 @@ def client_main(job_text: str) -> int:
 
 
 class ClientProcess:
-    """A soak client process and the events it reports (read by a thread)."""
+    """A soak client process and the events it reports (read by the launcher's thread)."""
 
     def __init__(self, index: int, job: dict[str, Any], workdir: str) -> None:
         self.index = index
@@ -912,32 +875,28 @@ class ClientProcess:
                if k not in ("HIXL_AGENT", "HIXL_REGISTRY") and not k.startswith("MOONCAKE_")}
         env.update(PYTHONUNBUFFERED="1",
                    MC_HANDSHAKE_CONNECT_TIMEOUT=str(job["config"]["call_timeout"]))
-        with open(self.log_path, "w", encoding="utf-8") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hixl.client.soak", "--client", json.dumps(job)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.hung: dict[int, dict[str, Any]] = {}
-        threading.Thread(target=self._pump, daemon=True,
-                         name=f"hixl-soak-client-{index}").start()
+        self.process = DaemonProcess(
+            [sys.executable, "-m", "hixl.client.soak", "--client", json.dumps(job)],
+            name=f"soak client {index}", env=env, log_path=self.log_path,
+            stdin=subprocess.PIPE, on_line=self._event)
+        self.proc = self.process.proc
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") == "hung":     # kept even if the client never returns
-                self.hung[event["call"]] = event
-            self.events.put(event)
-        self.events.put({"event": "exited", "client": self.index})
+    def _event(self, line: str) -> None:
+        if not line:  # EOF: it exited
+            self.events.put({"event": "exited", "client": self.index})
+            return
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        if event.get("event") == "hung":     # kept even if the client never returns
+            self.hung[event["call"]] = event
+        self.events.put(event)
 
     def send(self, command: str) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
+        self.process.send(command + "\n")
 
     def wait_for(self, name: str, timeout: float) -> dict[str, Any]:
         """The next `name` event; an "error"/"exited" event or the deadline raises."""
@@ -955,10 +914,8 @@ class ClientProcess:
                                 f"{event.get('error', 'it exited')} (see {self.log_path})")
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(START_TIMEOUT_S)
+            self.process.kill()
 
 
 def _merge(into: dict[str, Counter[str]], part: dict[str, dict[str, int]]) -> None:

@@ -51,6 +51,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+def kill_process(proc: subprocess.Popen[Any]) -> int:
+    """SIGKILL `proc` (if it still runs) and wait until it is gone; its exit status."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    return proc.wait(KILL_WAIT_S)
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S, *,
+                 by: Literal["sigterm", "stdin"] = "sigterm") -> int:
+    """Ask `proc` to go (SIGTERM, or EOF on its stdin), wait up to `grace_s`, then kill:
+    never hangs. Its exit status."""
+    if proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError):
+            if by == "stdin":
+                assert proc.stdin is not None
+                proc.stdin.close()
+            else:
+                proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(grace_s)
+    return kill_process(proc)
+
+
 class ProcessNotReady(RuntimeError):
     """A started process exited, or missed its deadline, before its ready line; the
     message names it and quotes its log tail. Callers re-raise their own error type."""
@@ -75,10 +99,11 @@ class DaemonProcess:
     searched in each line; None: nothing to wait for); `wait_ready()` waits for it. stderr
     goes to `log_path` (appended) when given, else into stdout with the rest of its output.
     `stop_by` is how stop() asks it to go: "sigterm", or "stdin" for helpers that exit when
-    their stdin closes (then stdin is a pipe). `lines=True` queues every line after the
-    ready one for next_line(); `on_line` is called (on the reader thread) with each line,
-    and with "" once at EOF. `spawn` starts the Popen (a simulated host's, say); the other
-    keywords go to it.
+    their stdin closes; `grace_s`, how long stop() waits before it kills. stdin is a pipe
+    for "stdin", else /dev/null, unless `stdin` says otherwise. `lines=True` queues every
+    line after the ready one for next_line(); `on_line` is called (on the reader thread)
+    with each of them, and with "" once at EOF. `spawn` makes the Popen (a simulated
+    host's, say); other keywords go to it.
     """
 
     def __init__(self, argv: Sequence[str], *, name: str | None = None,
@@ -88,11 +113,12 @@ class DaemonProcess:
                  stdin: int | None = None, lines: bool = False,
                  on_line: Callable[[str], None] | None = None,
                  spawn: Callable[..., subprocess.Popen[str]] = subprocess.Popen,
-                 tail_lines: int = 40, **popen: Any) -> None:
+                 grace_s: float = STOP_GRACE_S, tail_lines: int = 40, **popen: Any) -> None:
         self.argv = list(argv)
         self.name = name or os.path.basename(self.argv[0])
         self.log_path = log_path
         self.stop_by = stop_by
+        self.grace_s = grace_s
         self.ready_line: str | None = None
         self.ready_match: re.Match[str] | None = None
         self._ready = (None if ready is None else ready if isinstance(ready, re.Pattern)
@@ -137,6 +163,8 @@ class DaemonProcess:
                     self._lines.put(line)
                 if self._on_line is not None:
                     self._on_line(line)
+        except (OSError, ValueError):  # the pipe closed under us: EOF all the same
+            pass
         finally:
             with contextlib.suppress(OSError, ValueError):
                 stream.close()
@@ -194,6 +222,12 @@ class DaemonProcess:
         raise ProcessNotReady(f"{self.name} {why}; {self.tail()}", self.proc.returncode)
 
     @property
+    def ready_fields(self) -> dict[str, str]:
+        """The key=value words of its ready line (a hixl-agent's engine=, data=, ...)."""
+        return dict(word.split("=", 1) for word in (self.ready_line or "").split()
+                    if "=" in word)
+
+    @property
     def pid(self) -> int:
         return self.proc.pid
 
@@ -212,26 +246,13 @@ class DaemonProcess:
 
     def kill(self) -> int:
         """SIGKILL, and wait until it is gone; its exit status."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-        return self.proc.wait(KILL_WAIT_S)
+        return kill_process(self.proc)
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> int:
-        """Ask it to go (SIGTERM, or EOF on its stdin), wait up to `grace_s`, then kill:
-        never hangs. Its exit status."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                if self.stop_by == "stdin":
-                    assert self.proc.stdin is not None
-                    self.proc.stdin.close()
-                else:
-                    self.proc.terminate()
-            try:
-                return self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        return self.kill()
+    def stop(self, grace_s: float | None = None) -> int:
+        """Ask it to go (SIGTERM, or EOF on its stdin), wait up to `grace_s` (default: the
+        one it was started with), then kill: never hangs. Its exit status."""
+        return stop_process(self.proc, self.grace_s if grace_s is None else grace_s,
+                            by=self.stop_by)
 
     def close(self) -> None:
         """stop(), then let go of its pipes."""
@@ -249,4 +270,5 @@ class DaemonProcess:
         self.close()
 
 
-__all__ = ["DaemonProcess", "ProcessNotReady", "free_port", "free_ports"]
+__all__ = ["DaemonProcess", "ProcessNotReady", "free_port", "free_ports", "kill_process",
+           "stop_process"]
