@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness is a dev tool, ke
 import netns  # noqa: E402  (tests/netns.py)
 
 from hixl.client import bench, cli, store_bench  # noqa: E402
+from hixl.processes import DaemonProcess, ProcessNotReady  # noqa: E402
 
 RAW_PORT = 50170
 STORE_MASTER_PORT = 50171  # host B's hixl-master
@@ -56,13 +57,16 @@ IPERF_STREAMS = (1, 3)  # one stream, and as many as hixl stripes a large batch 
 RUN_TIMEOUT_S = 3600.0
 
 
-def _ready_line(proc: subprocess.Popen[str], prefix: str, what: str) -> str:
-    """The first line of `proc`'s stdout starting with `prefix`, within the start timeout
-    (the pipe stays drained afterwards, so the process never blocks on it)."""
-    assert proc.stdout is not None
+def _start(host: Any, argv: list[str], ready: str, what: str,
+           env: dict[str, str] | None = None) -> str:
+    """Start `argv` on `host` and return its first line starting with `ready`, within the
+    start timeout (its output stays drained afterwards, so it never blocks on the pipe;
+    the cluster kills it at teardown). HarnessError naming `what` with its output if not."""
+    process = DaemonProcess(argv, name=what, ready=ready, env=env, stop_by="stdin",
+                            spawn=host.spawn)
     try:
-        return store_bench.wait_line(proc.stdout, prefix, what, netns.START_TIMEOUT_S)
-    except RuntimeError as exc:
+        return process.wait_ready(netns.START_TIMEOUT_S)
+    except ProcessNotReady as exc:
         raise netns.HarnessError(str(exc)) from None
 
 
@@ -115,20 +119,17 @@ def run(bench_args: list[str], keep_logs: bool, ceiling_seconds: int = IPERF_SEC
         a, b = cluster.hosts
         agent = cluster.start_agent(b, {"pool_max_bytes": 2 * call_bytes + (64 << 20),
                                         "log_level": "WARNING"})
-        raw = b.spawn([sys.executable, "-m", "hixl.client.bench", "--raw-server",
-                       "--tcp", f"{b.ip}:{RAW_PORT}", "--buffer", str(call_bytes)],
-                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                      stderr=subprocess.STDOUT, text=True)
-        _ready_line(raw, bench.RAW_READY, f"raw stream server on {b}")
+        _start(b, [sys.executable, "-m", "hixl.client.bench", "--raw-server",
+                   "--tcp", f"{b.ip}:{RAW_PORT}", "--buffer", str(call_bytes)],
+               bench.RAW_READY, f"raw stream server on {b}")
         extra = ["--agent", agent.engine, "--raw-peer", f"{b.ip}:{RAW_PORT}", "--local", a.ip]
         why_not = _mooncake_wanted(config)
         if why_not is None:
             from hixl.client import mooncake_baseline as mc
 
-            target = b.spawn(mc.target_command(b.ip, call_bytes), env={"MC_LOG_LEVEL": "ERROR"},
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-            segment = mc.parse_ready(_ready_line(target, mc.READY, f"Mooncake target on {b}"))[0]
+            segment = mc.parse_ready(_start(b, mc.target_command(b.ip, call_bytes), mc.READY,
+                                            f"Mooncake target on {b}",
+                                            env={"MC_LOG_LEVEL": "ERROR"}))[0]
             extra += ["--mooncake-peer", segment]
         before = _counted((a, b))
         result = a.run([sys.executable, "-m", "hixl.client.cli", "bench", *bench_args, *extra,
@@ -161,17 +162,13 @@ def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
     quiet = {"MC_LOG_LEVEL": "ERROR"}
     with netns.Cluster(2) as cluster:
         a, b = cluster.hosts
-        master = b.spawn([sys.executable, "-m", "hixl.server.master", "--host", b.ip,
-                          "--port", str(STORE_MASTER_PORT), "--no-persist", "--log-level",
-                          "WARNING", f"-default_kv_lease_ttl={store_bench.LEASE_TTL_MS}"],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        _ready_line(master, MASTER_READY, f"hixl-master on {b}")
+        _start(b, [sys.executable, "-m", "hixl.server.master", "--host", b.ip,
+                   "--port", str(STORE_MASTER_PORT), "--no-persist", "--log-level",
+                   "WARNING", f"-default_kv_lease_ttl={store_bench.LEASE_TTL_MS}"],
+               MASTER_READY, f"hixl-master on {b}")
         master_at = f"{b.ip}:{STORE_MASTER_PORT}"
-        holder = b.spawn(store_bench.holder_command("hixl", master_at, b.ip, segment),
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        _ready_line(holder, store_bench.HOLDER_READY, f"hixl segment holder on {b}")
+        _start(b, store_bench.holder_command("hixl", master_at, b.ip, segment),
+               store_bench.HOLDER_READY, f"hixl segment holder on {b}")
         extra = ["--master", master_at, "--local", a.ip, "--no-holder"]
         why_not = None if config.mooncake else "off"
         why_not = why_not or store_bench.mooncake_store_unavailable()
@@ -191,11 +188,8 @@ def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
                      ).returncode != 0:
                 raise netns.HarnessError(f"mooncake_master on {b} did not start")
             mooncake_at = f"{b.ip}:{MOONCAKE_MASTER_PORT}"
-            mc_holder = b.spawn(store_bench.holder_command("mooncake", mooncake_at, b.ip,
-                                                           segment),
-                                env=quiet, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-            _ready_line(mc_holder, store_bench.HOLDER_READY, f"Mooncake segment holder on {b}")
+            _start(b, store_bench.holder_command("mooncake", mooncake_at, b.ip, segment),
+                   store_bench.HOLDER_READY, f"Mooncake segment holder on {b}", env=quiet)
             extra += ["--mooncake-master", mooncake_at]
         elif why_not == "off":
             extra.append("--no-mooncake")

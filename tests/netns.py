@@ -35,7 +35,6 @@ import contextlib
 import functools
 import json
 import os
-import selectors
 import shlex
 import shutil
 import signal
@@ -43,9 +42,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import Any
 
 import yaml
+
+from hixl.processes import DaemonProcess, ProcessNotReady
 
 PREFIX = "hxn"
 SUBNET = "10.77"
@@ -181,26 +182,6 @@ def kept_paths(extra: Sequence[str] = ()) -> list[str]:
     return outermost
 
 
-def _read_line(stream: IO[str], deadline: float) -> str | None:
-    """One line from a pipe by `deadline`; "" at EOF, None when the deadline passed."""
-    with selectors.DefaultSelector() as sel:
-        sel.register(stream, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if sel.select(timeout=left):
-                return stream.readline()
-
-
-def _tail(path: str, limit: int = 6000) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()[-limit:]
-    except OSError as exc:
-        return f"(no log: {exc})"
-
-
 # ---------------------------------------------------------------- processes
 
 class HostProcess(subprocess.Popen):
@@ -254,7 +235,7 @@ class Host:
         self.name = f"{PREFIX}{cluster.number}h{index}"  # its hostname
         self.ip = f"{SUBNET}.{cluster.number}.{index}"
         self.switch_port = f"p{index}"
-        self.init: subprocess.Popen[str] | None = None
+        self.init: DaemonProcess | None = None
         self.init_pid = 0
 
     def __repr__(self) -> str:
@@ -282,19 +263,15 @@ class Host:
 
     def boot(self) -> None:
         """Start the host's first process: it owns the host's UTS, mount and PID namespaces."""
-        self.init = subprocess.Popen(
+        self.init = DaemonProcess(
             ["ip", "netns", "exec", self.ns, "unshare", "-mu", "-p", "-f", "--mount-proc",
              "--kill-child", "sh", "-c", self._boot_script()],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.init.stdout is not None and self.init.stderr is not None
-        line = _read_line(self.init.stdout, time.monotonic() + COMMAND_TIMEOUT_S)
-        self.init.stdout.close()
-        if line is None or line.strip() != BOOTED:
-            self.init.kill()
-            self.init.wait(COMMAND_TIMEOUT_S)
-            raise HarnessError(f"{self} did not boot: {self.init.stderr.read().strip()}")
-        self.init.stderr.close()
-        pid = HostProcess.child_of(self.init, COMMAND_TIMEOUT_S)
+            name=f"{self}'s init", ready=BOOTED)
+        try:
+            self.init.wait_ready(COMMAND_TIMEOUT_S)
+        except ProcessNotReady as exc:
+            raise HarnessError(f"{self} did not boot: {exc}") from None
+        pid = HostProcess.child_of(self.init.proc, COMMAND_TIMEOUT_S)
         if pid is None:
             raise HarnessError(f"{self}: its init exited at once")
         self.init_pid = pid
@@ -366,9 +343,14 @@ class AgentHandle:
         self.log_path = base + ".log"
         with open(self.config_path, "w", encoding="utf-8") as f:
             yaml.safe_dump(self.config, f)
-        self.proc: HostProcess | None = None
+        self.process: DaemonProcess | None = None
         self.ready: dict[str, str] = {}
         self.start()
+
+    @property
+    def proc(self) -> subprocess.Popen[str] | None:
+        """Its HostProcess (signals reach the agent), None before the first start."""
+        return None if self.process is None else self.process.proc
 
     @property
     def engine(self) -> str:
@@ -385,43 +367,30 @@ class AgentHandle:
         return host, int(port)
 
     def log(self) -> str:
-        return _tail(self.log_path, 1 << 20)
+        assert self.process is not None
+        return self.process.log()
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
         """Start the agent and wait for its ready line (HarnessError with its log otherwise)."""
-        with open(self.log_path, "a", encoding="utf-8") as log:
-            self.proc = self.host.spawn(
-                [sys.executable, "-m", "hixl.server.main", "--config", self.config_path],
-                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            line = _read_line(self.proc.stdout, deadline)
-            if line and line.startswith(READY_PREFIX):
-                self.ready = dict(f.split("=", 1) for f in line[len(READY_PREFIX):].split())
-                return
-            if not line:  # EOF or deadline
-                self.kill()
-                raise HarnessError(f"hixl-agent on {self.host} did not become ready "
-                                   f"(rc={self.proc.returncode}); its log:\n{_tail(self.log_path)}")
+        self.process = DaemonProcess(
+            [sys.executable, "-m", "hixl.server.main", "--config", self.config_path],
+            name=f"hixl-agent on {self.host}", ready=READY_PREFIX, log_path=self.log_path,
+            spawn=self.host.spawn)
+        try:
+            self.process.wait_ready(timeout)
+        except ProcessNotReady as exc:
+            raise HarnessError(str(exc)) from None
+        self.ready = self.process.ready_fields
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM (a clean shutdown), then SIGKILL if it has not exited by `timeout`."""
-        assert self.proc is not None
-        self.proc.terminate()
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return self.kill()
+        assert self.process is not None
+        return self.process.stop(timeout)
 
     def kill(self) -> int:
         """SIGKILL, and wait for it to be gone."""
-        assert self.proc is not None
-        self.proc.kill()
-        rc = self.proc.wait(COMMAND_TIMEOUT_S)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return rc
+        assert self.process is not None
+        return self.process.kill()
 
     def restart(self, timeout: float = START_TIMEOUT_S) -> AgentHandle:
         """Kill it if it still runs, start it again on the same ports; a new epoch."""
@@ -447,27 +416,22 @@ class Worker:
         self.host = host
         self.log_path = os.path.join(host.cluster.run_dir, f"worker-{host.name}-{tag}.log")
         job = {"fabric": fabric, "local": host.ip, "steps": "stdin", "registry": registry}
-        with open(self.log_path, "w", encoding="utf-8") as log:
-            self.proc = host.spawn([sys.executable, WORKER, json.dumps(job)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                   text=True)
+        self.process = DaemonProcess([sys.executable, WORKER, json.dumps(job)],
+                                     name=f"worker on {host}", log_path=self.log_path,
+                                     stop_by="stdin", lines=True, spawn=host.spawn)
+        self.proc = self.process.proc
 
     def call(self, do: str, give_up: float = 60.0, **fields: Any) -> dict[str, Any]:
         """Run one step (its fields, e.g. the transfer's `timeout`, go to the worker).
 
         `give_up` only guards against a hang: no answer by then raises HarnessError.
         """
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        try:
-            self.proc.stdin.write(json.dumps({"do": do, **fields}) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # it died: reported below with its log
-        line = _read_line(self.proc.stdout, time.monotonic() + give_up)
+        self.process.send(json.dumps({"do": do, **fields}) + "\n")  # if it died: see below
+        line = self.process.next_line(give_up)
         if not line:
             state = "exited" if line == "" else f"gave no answer within {give_up}s"
-            raise HarnessError(f"worker on {self.host} {state} at step {do!r}; its log:\n"
-                               f"{_tail(self.log_path)}")
+            raise HarnessError(f"worker on {self.host} {state} at step {do!r}; "
+                               f"{self.process.tail()}")
         return json.loads(line)
 
     def ok(self, do: str, give_up: float = 60.0, **fields: Any) -> dict[str, Any]:
@@ -479,19 +443,8 @@ class Worker:
 
     def close(self, timeout: float = 10.0) -> None:
         """End it (EOF on stdin closes the engine); killed if it does not exit in time."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(COMMAND_TIMEOUT_S)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        self.process.stop(timeout)
+        self.process.close()
 
     def __enter__(self) -> Worker:
         return self
@@ -575,13 +528,14 @@ class Cluster:
 
     def start_master(self, host: Host, port: int = MASTER_PORT) -> str:
         """A hixl-master on `host` (in memory only), serving; returns its "ip:port"."""
-        proc = host.spawn([sys.executable, "-m", "hixl.server.master", "--host", host.ip,
-                           "--port", str(port), "--no-persist"], stdout=subprocess.PIPE,
-                          text=True)
-        assert proc.stdout is not None
-        line = _read_line(proc.stdout, time.monotonic() + START_TIMEOUT_S) or ""
-        if not line.startswith("hixl-master serving"):
-            raise HarnessError(f"hixl-master did not start on {host}: {line!r}")
+        master = DaemonProcess([sys.executable, "-m", "hixl.server.master", "--host", host.ip,
+                                "--port", str(port), "--no-persist"],
+                               name=f"hixl-master on {host}", ready="hixl-master serving",
+                               spawn=host.spawn)
+        try:
+            master.wait_ready(START_TIMEOUT_S)
+        except ProcessNotReady as exc:
+            raise HarnessError(str(exc)) from None
         return f"{host.ip}:{port}"
 
     def worker(self, host: Host, fabric: str = "1", registry: str | None = None) -> Worker:
@@ -604,11 +558,11 @@ class Cluster:
                 with contextlib.suppress(Exception):
                     proc.kill()
         for host in self.hosts:
-            if host.init is not None and host.init.poll() is None:
-                host.init.kill()  # --kill-child takes its init, and so its PID namespace, along
+            if host.init is not None and host.init.alive():
+                host.init.proc.kill()  # --kill-child takes its init, and with it its PID namespace
         for ns in reversed(self._made):
             _kill_namespace(ns)
-        for proc in [*self.processes, *(h.init for h in self.hosts if h.init is not None)]:
+        for proc in [*self.processes, *(h.init.proc for h in self.hosts if h.init is not None)]:
             with contextlib.suppress(Exception):
                 proc.wait(COMMAND_TIMEOUT_S)
             for stream in (proc.stdin, proc.stdout, proc.stderr):
