@@ -37,8 +37,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -57,6 +57,7 @@ from hixl.client.mooncake import MooncakeDistributedStore  # noqa: E402
 from hixl.client.registry_bench import MasterProcess  # noqa: E402
 from hixl.client.store_bench import HolderProcess  # noqa: E402
 from hixl.etcd import EtcdClient, Leader  # noqa: E402
+from hixl.processes import DaemonProcess, ProcessNotReady  # noqa: E402
 from hixl.server.leadership import ELECTION_NAME  # noqa: E402
 from hixl.store_client import MasterClient  # noqa: E402
 from hixl.store_codes import ErrorCode  # noqa: E402
@@ -97,27 +98,17 @@ class DelayedHolder:
     """The holder of `--remount-delay`; stop() closes its stdin (it unmounts and exits)."""
 
     def __init__(self, targets: str, size: int, delay: float) -> None:
-        self.proc = subprocess.Popen(
+        self.process = DaemonProcess(
             [sys.executable, "-c", DELAYED_HOLDER, targets, str(size), str(delay)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if "DELAYED-HOLDER-READY" in line:
-                break
-        else:
-            raise SystemExit(f"bench_failover: the holder did not start ({self.proc.wait()})")
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+            name="the holder", ready=re.compile("DELAYED-HOLDER-READY"),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stop_by="stdin", grace_s=WAIT_S)
+        try:
+            self.process.wait_ready(2 * WAIT_S)  # its setup alone may take WAIT_S
+        except ProcessNotReady as exc:
+            raise SystemExit(f"bench_failover: {exc}") from None
 
     def stop(self) -> None:
-        assert self.proc.stdin is not None
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.process.stop()
 
 
 @dataclass

@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +26,7 @@ import yaml
 from hixl.client import cli
 from hixl.client.agent_client import AgentClient
 from hixl.errors import ConfigError
+from hixl.processes import DaemonProcess, ProcessNotReady
 from hixl.registry_client import RegistryClient
 from hixl.server import master as master_module
 from hixl.server.config import AgentConfig, convert_key, keys_from_parser
@@ -569,42 +568,18 @@ def test_k8s_kustomize_builds() -> None:
 
 # ---------------------------------------------------------------- the examples start
 
-class Process:
-    """A hixl daemon started from a deploy file; waits for its ready line."""
+class Process(DaemonProcess):
+    """A hixl daemon started from a deploy file; waits for its ready line (`line`: what
+    follows the prefix), and stop() is SIGTERM, then a kill after START_DEADLINE_S."""
 
     def __init__(self, argv: list[str], env: Mapping[str, str], ready: str,
                  workdir: Path) -> None:
-        self.log_path = workdir / f"{argv[2]}-{len(os.listdir(workdir))}.log"
-        with open(self.log_path, "w", encoding="utf-8") as log:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         env=dict(env))
-        self.line = self._wait(ready)
-
-    def _wait(self, ready: str) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + START_DEADLINE_S
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if sel.select(max(0.0, deadline - time.monotonic())):
-                    line = self.proc.stdout.readline()
-                    if line.startswith(ready):
-                        return line[len(ready):].strip()
-                    if not line:
-                        break
-        self.kill()
-        pytest.fail(f"did not start (rc={self.proc.returncode}): {self.log_path.read_text()}")
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(START_DEADLINE_S)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(START_DEADLINE_S)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        super().__init__(argv, name=argv[2], ready=ready, env=env, grace_s=START_DEADLINE_S,
+                         log_path=str(workdir / f"{argv[2]}-{len(os.listdir(workdir))}.log"))
+        try:
+            self.line = self.wait_ready(START_DEADLINE_S)[len(ready):].strip()
+        except ProcessNotReady as exc:
+            pytest.fail(str(exc))
 
 
 @pytest.fixture

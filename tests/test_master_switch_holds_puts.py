@@ -14,9 +14,8 @@ Nothing here measures time: deadlines only bound waits.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
+import re
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from test_master_ha import (
 )
 
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.processes import DaemonProcess, ProcessNotReady
 from hixl.server.store_service import AWAITING_REMOUNT
 from hixl.store_client import MasterClient
 from hixl.store_codes import ErrorCode, code_name, hint_for_code
@@ -76,19 +76,16 @@ store.close()
 
 class GatedHolder:
     def __init__(self, targets: str, segment_bytes: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER, targets, str(segment_bytes)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert self.proc.stdout is not None and self.proc.stdin is not None
-        for line in self.proc.stdout:
-            if READY in line:
-                break
-        else:
-            raise AssertionError(f"the holder did not start (exit {self.proc.wait()})")
-        # keep reading what it says (its log included), so it never blocks on a full pipe
-        self._drain = threading.Thread(target=self.proc.stdout.read, daemon=True)
-        self._drain.start()
+        # its output (its log included) stays drained, so it never blocks on a full pipe
+        self.process = DaemonProcess([sys.executable, "-c", HOLDER, targets, str(segment_bytes)],
+                                     name="the holder", ready=re.compile(re.escape(READY)),
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     stop_by="stdin", grace_s=WAIT_S)
+        self.proc = self.process.proc
+        try:
+            self.process.wait_ready(2 * WAIT_S)  # its setup alone may take WAIT_S
+        except ProcessNotReady as exc:
+            raise AssertionError(f"the holder did not start: {exc}") from None
 
     def let_remount(self) -> None:
         assert self.proc.stdin is not None
@@ -96,14 +93,7 @@ class GatedHolder:
         self.proc.stdin.flush()
 
     def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.process.stop()
 
 
 def pattern(seed: int, size: int) -> bytes:

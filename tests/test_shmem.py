@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import selectors
 import signal as signals
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import pytest
 import hixl.shmem as shmem
 from hixl.client.registry_bench import MasterProcess
 from hixl.errors import NotConnected, ParamInvalid
+from hixl.processes import DaemonProcess
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "shmem_worker.py")
 GIVE_UP_S = 90.0  # only guards against a hang; never a performance bound
@@ -41,28 +41,22 @@ class PeProcess:
         self.job = job
         fd, self.log_path = tempfile.mkstemp(prefix=f"shmem-pe{job['pe']}-", suffix=".log",
                                              dir=log_dir)
-        with os.fdopen(fd, "w") as log:
-            self.proc = spawn([sys.executable, WORKER, json.dumps(job)], stdout=subprocess.PIPE,
-                              stderr=log, stdin=subprocess.DEVNULL, text=True,
-                              **({"env": {**os.environ, **env}} if env else {}))
+        os.close(fd)
+        self.process = DaemonProcess([sys.executable, WORKER, json.dumps(job)],
+                                     name=f"PE {job['pe']}", log_path=self.log_path,
+                                     lines=True, spawn=spawn,
+                                     env={**os.environ, **env} if env else None)
+        self.proc = self.process.proc
 
     def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()[-6000:]
+        return self.process.log()[-6000:]
 
     def line(self, give_up: float = GIVE_UP_S) -> dict[str, Any]:
         """The next JSON line it prints; fails the test (with its log) if none comes."""
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + give_up
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while time.monotonic() < deadline:
-                if sel.select(max(0.0, deadline - time.monotonic())):
-                    text = self.proc.stdout.readline()
-                    if text.startswith("{"):
-                        return json.loads(text)
-                    if not text:
-                        break
+        while text := self.process.next_line(deadline - time.monotonic()):
+            if text.startswith("{"):
+                return json.loads(text)
         pytest.fail(f"PE {self.job['pe']} gave no answer (rc={self.proc.poll()}); "
                     f"its log:\n{self.log()}")
 
@@ -73,13 +67,8 @@ class PeProcess:
         return reply["result"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signals.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(30)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+            self.process.kill()
         with contextlib.suppress(OSError):
             os.unlink(self.log_path)
 
