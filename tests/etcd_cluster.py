@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -38,23 +37,11 @@ from typing import Any
 
 import pytest
 
+from hixl.processes import free_ports
+
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 30.0
 _live: set[EtcdCluster] = set()
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct ports free now (held open together so none repeats)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((HOST, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class EtcdCluster:
@@ -71,7 +58,7 @@ class EtcdCluster:
         self.name = name
         self.extra_args = list(extra_args)
         self.directory = tempfile.mkdtemp(prefix="hixl-etcd-")
-        ports = _free_ports(2 * size)
+        ports = free_ports(2 * size, HOST)
         self.client_ports = ports[:size]
         self.peer_ports = ports[size:]
         self.member_names = [f"m{i}" for i in range(size)]

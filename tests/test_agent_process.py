@@ -34,6 +34,7 @@ from hixl.errors import (
     TransferTimeout,
 )
 from hixl.memory import PAGE_SIZE, Mapping, ShmSegment
+from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.config import AgentConfig
 from hixl.server.runtime import AgentServer
@@ -391,12 +392,6 @@ def test_errors_cross_grpc_with_code_and_exact_type(agent_process: StartAgent) -
 # ---------------------------------------------------------------- registry publishing
 
 wait_for = partial(waiting.wait_until, timeout=20.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import AgentProcess, clean_env
 
+from hixl.processes import free_port
+
 START_DEADLINE_S = 20.0
 LISTEN = "0A"                 # TCP_LISTEN in /proc/net/tcp
 UNIX_ACCEPTING = 0x10000      # __SO_ACCEPTCON in /proc/net/unix flags
@@ -89,12 +91,6 @@ def local_non_loopback_address() -> str | None:
         check.bind((address, 0))
         return address
     return None
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

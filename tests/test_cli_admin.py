@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,6 +25,7 @@ from hixl.client.agent_client import AgentClient
 from hixl.client.cli import main
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.registry_bench import MasterProcess
+from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.store import ObjectStore, StoreOptions
 from hixl.store_client import KeyState, ReplicaConfig, StoreSegment
@@ -66,13 +66,6 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
 
 
 wait_until = partial(waiting.wait_until, timeout=DEADLINE_S)
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def token_file(tmp_path: Path, token: bytes) -> str:

@@ -22,15 +22,10 @@ from hixl import (
     TransferStatus,
     TransferTimeout,
 )
+from hixl.processes import free_port
 
 POOL = 64 << 20
 GIVE_UP_S = 20.0  # only a guard against a hang: the assertions never depend on timing
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

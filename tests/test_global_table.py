@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -23,6 +22,7 @@ from hixl.client.agent_client import AgentClient
 from hixl.client.global_table import GlobalTable
 from hixl.client.registry_bench import MasterProcess
 from hixl.errors import AuthenticationFailed
+from hixl.processes import free_port
 from hixl.registry_client import EngineEndpoints, EngineInfo, RegistryClient
 from hixl.server.registry import SNAPSHOT_CHUNK, EventKind, Registry, RegistryEvent
 from hixl.types import MemType, Perm, SegmentInfo
@@ -33,12 +33,6 @@ TTL_S = 1.0
 GIVE_UP_S = 30.0  # only a guard against a hang: no assertion depends on it
 POOL = 1 << 20
 AGENTS = 3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

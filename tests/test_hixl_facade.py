@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,14 +18,9 @@ import pytest
 
 import hixl
 from hixl import Hixl, MemDesc, MemType, TransferOp, TransferOpDesc, TransferStatus
+from hixl.processes import free_port
 
 SERVER_BYTES = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 SERVER = textwrap.dedent("""

@@ -27,19 +27,12 @@ import hixl
 from hixl import Engine, HixlError, TransferOp, TransferOpDesc
 from hixl.errors import NotConnected, OutOfRange, ParamInvalid
 from hixl.memory import PAGE_SIZE, round_up
+from hixl.processes import free_port
 
 HELPER = Path(__file__).parent / "helpers" / "range_owner.py"
 MiB = 1 << 20
 POOL = 32 * MiB
 FABRIC_ON = {hixl.OPTION_ENABLE_USE_FABRIC_MEM: "1"}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Owner:

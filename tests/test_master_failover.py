@@ -40,6 +40,7 @@ from hixl.failover import (
     not_leader_metadata,
     parse_addresses,
 )
+from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.config import AgentConfig
 from hixl.store_client import (
@@ -60,13 +61,6 @@ MiB = 1 << 20
 DEADLINE_S = 20.0
 #: a lease short enough that a lost one is noticed within the test
 LEASE_MS = 1500
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def dead_address() -> str:

@@ -18,6 +18,7 @@ import pytest
 
 from hixl import wire
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
+from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.master import MasterConfig, StoreConfig, parse_config
 from hixl.store_rpc import METHODS
@@ -321,9 +322,7 @@ def test_call_limits_reach_the_store_call_endpoint() -> None:
     """--call-bytes-budget and --call-body-timeout-s set the store call endpoint's limits:
     a body over the budget is refused naming it (the connection goes on), and a body that
     stalls closes its connection with the configured deadline in the log."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        fast_port = probe.getsockname()[1]
+    fast_port = free_port()
     process = Master("--port", "0", "--no-persist", "--fast-port", str(fast_port),
                      "--log-level", "DEBUG", "--call-bytes-budget", "1MiB",
                      "--call-body-timeout-s", "2")

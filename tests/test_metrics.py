@@ -38,6 +38,7 @@ from hixl.errors import (
     StaleEpoch,
 )
 from hixl.memory import buffer_range
+from hixl.processes import free_port
 from hixl.server.config import AgentConfig
 from hixl.server.store import StoreOptions
 from hixl.store_client import MasterClient, StoreSegment
@@ -53,13 +54,6 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 KiB, MiB = 1 << 10, 1 << 20
 DEADLINE_S = 20.0
 FABRIC = {"EnableUseFabricMem": "1"}
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (the agent or master binds it next)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def parse(text: str) -> Samples:

@@ -24,18 +24,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_master_process import EVENT_DEADLINE_S, Master
 
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.processes import free_port
 from hixl.server.master_http import HttpServer, MetadataStore
 from hixl.store_codes import ErrorCode
 
 HOST = "127.0.0.1"
 SEGMENT = 16 << 20
-
-
-def free_port() -> int:
-    """A port nobody listens on right now (the master binds it next)."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def http(method: str, url: str, body: bytes | None = None) -> tuple[int, str, bytes]:

@@ -16,7 +16,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -37,6 +36,7 @@ from hixl.client.mooncake import (
 )
 from hixl.client.mooncake.store import mooncake_size as parse_size
 from hixl.client.registry_bench import MasterProcess
+from hixl.processes import free_port
 from hixl.store_client import MasterClient
 from hixl.store_codes import ErrorCode
 
@@ -58,12 +58,6 @@ def pattern(seed: int, size: int) -> bytes:
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 #: call() until done(result) (e.g. once a restarted master is reached and remounted):

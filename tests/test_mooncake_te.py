@@ -17,7 +17,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import TransferEngine, TransferNotify, TransferOpcode
+from hixl.processes import free_port
 
 SIZE = 1 << 20
 START_TIMEOUT_S = 60.0
@@ -62,12 +62,6 @@ TARGET = textwrap.dedent("""
         elif cmd == "notifies":
             print(json.dumps([[n.name, n.msg] for n in te.get_notifies()]), flush=True)
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def sha(data: bytes | np.ndarray) -> str:

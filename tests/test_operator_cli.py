@@ -16,6 +16,7 @@ from conftest import clean_env
 
 from hixl import __version__
 from hixl.client.shmem_run import run_job
+from hixl.processes import free_port
 
 
 @pytest.mark.parametrize(("entry", "prog"), [("hixl.server.main:agent_main", "hixl-agent"),
@@ -80,11 +81,7 @@ def test_shmem_run_blames_the_pe_that_raised(tmp_path: Path) -> None:
 
 
 def test_cli_error_says_unreachable_once() -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     done = subprocess.run([sys.executable, "-m", "hixl.client.cli", "segments", "--master",
                            f"127.0.0.1:{port}", "--timeout", "5"], capture_output=True,
                           text=True, timeout=60, env=clean_env())

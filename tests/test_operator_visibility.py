@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import selectors
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from conftest import AgentProcess, clean_env, parse_ready
+
+from hixl.processes import free_port
 
 StartAgent = Callable[..., AgentProcess]
 DEADLINE_S = 30.0
@@ -42,13 +43,6 @@ def master_process(*flags: str) -> Iterator[str]:
             proc.stdout.close()
 
 
-def _closed_port() -> int:
-    """A port nothing listens on (bound once, then released: connections are refused)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _status(agent: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "hixl.client.cli", "status", "--agent", agent,
                            "--timeout", "5"], capture_output=True, text=True, timeout=60,
@@ -56,7 +50,7 @@ def _status(agent: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_agent_with_its_master_down_says_it_is_not_published(agent_process: StartAgent) -> None:
-    master = f"127.0.0.1:{_closed_port()}"
+    master = f"127.0.0.1:{free_port()}"  # nothing listens there: connections are refused
     agent = agent_process(config={"master": master, "pool": [{"size": "64KiB"}]})
     assert parse_ready(agent.ready_line)["registry"] == "not-published"
     log = agent.log()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
+
+from hixl.processes import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,12 +15,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def python_blocks() -> list[str]:
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_readme_examples_run(agent_process, tmp_path) -> None:

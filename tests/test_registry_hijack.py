@@ -30,6 +30,7 @@ from test_master_process import Master
 from hixl import Engine, auth
 from hixl.client.agent_client import AgentClient
 from hixl.errors import NotConnected, PermissionDenied
+from hixl.processes import free_port
 from hixl.registry_client import (
     OWNER_KEY_SIZE,
     EngineEndpoints,
@@ -90,12 +91,6 @@ def trap_was_dialled(trap: socket.socket) -> bool:
         return False
     conn.close()
     return True
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def forged_table(engine: str, epoch: int) -> list[SegmentInfo]:

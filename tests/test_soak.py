@@ -27,16 +27,11 @@ from hixl.client import cli
 from hixl.client.agent_client import AgentClient
 from hixl.client.registry_bench import MasterProcess
 from hixl.client.soak import LEASE_TTL_MS, OP_KINDS
+from hixl.processes import free_port
 from hixl.types import Perm
 from hixl.wire import HEADER_SIZE, Reason, ServedSegment, ServerProtocol
 
 GIVE_UP_S = 30.0   # only a guard against a hang: no assertion depends on timing
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_soak(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:

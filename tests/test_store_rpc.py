@@ -28,6 +28,7 @@ from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.registry_bench import MasterProcess
 from hixl.client.store_bench import HolderProcess
 from hixl.logs import request_context
+from hixl.processes import free_port
 from hixl.store_client import (
     MasterAuthenticationFailed,
     MasterClient,
@@ -213,9 +214,7 @@ def test_the_method_table_is_the_master_services() -> None:
 
 
 def test_the_clients_back_off_asks_once_and_never_hammers_a_dead_port() -> None:
-    with socket.socket() as gone:
-        gone.bind(("127.0.0.1", 0))
-        closed_port = gone.getsockname()[1]
+    closed_port = free_port()
     path = FastPath("127.0.0.1", None, "test")
     message = store_pb2.KeysRequest(keys=["k"]).SerializeToString()
     assert path.should_probe() and path.port is None          # never heard of one: ask
@@ -312,9 +311,7 @@ def test_values_move_byte_for_byte_over_the_call_endpoint(master: MasterProcess)
 
 
 def test_both_front_ends_feed_the_same_results(tmp_path: object) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with MasterProcess(extra=["--no-persist", "--metrics-port", str(port)]) as process, \
             MasterClient(process.target, timeout=DEADLINE_S) as fast, \
             MasterClient(process.target, timeout=DEADLINE_S, fast=False) as slow:
@@ -350,9 +347,7 @@ def test_a_master_without_the_endpoint_is_served_over_grpc() -> None:
 
 def test_an_unreachable_endpoint_falls_back_to_grpc_then_comes_back(
         master: MasterProcess) -> None:
-    with socket.socket() as gone:
-        gone.bind(("127.0.0.1", 0))
-        closed_port = gone.getsockname()[1]
+    closed_port = free_port()
     with MasterClient(master.target, timeout=UNREACHABLE_DEADLINE_S) as client:
         assert client.exist_key("k") == ErrorCode.OBJECT_NOT_FOUND  # probes, then the endpoint
         assert client.fast_calls == 1
