@@ -31,7 +31,6 @@ import selectors
 import shutil
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,13 +45,7 @@ import numpy as np
 from hixl import addresses
 from hixl.errors import HixlError, TransferFailed
 from hixl.memory import ShmSegment
-from hixl.processes import (
-    STOP_GRACE_S,
-    DaemonProcess,
-    ProcessNotReady,
-    free_port,
-    stop_process,
-)
+from hixl.processes import DaemonProcess, ProcessNotReady, free_port
 from hixl.sizes import format_size as human_size
 from hixl.types import TransferOp, TransferOpDesc
 
@@ -258,12 +251,6 @@ class AgentProcess:
     def stop(self) -> None:
         self.process.stop()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
-
-
-def stop_child(proc: subprocess.Popen[str], grace_s: float = STOP_GRACE_S) -> None:
-    """Stop a helper that exits when its stdin closes (store_bench's): close it, wait up to
-    `grace_s`, then kill (hixl.processes.stop_process); never hangs."""
-    stop_process(proc, grace_s, by="stdin")
 
 
 # ---------------------------------------------------------------- raw socket baseline

@@ -57,11 +57,9 @@ import ctypes
 import math
 import os
 import platform
-import queue
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -85,8 +83,8 @@ from hixl.client.bench import (
     human_size,
     local_address_towards,
     page_aligned,
-    stop_child,
 )
+from hixl.processes import DaemonProcess, free_ports
 
 DEFAULT_SIZES = (64 * KIB, 1 * MIB, 8784 * KIB)
 OPS = ("put", "get", "put_from", "get_into", "put_batch", "get_batch", "batch_put_from",
@@ -219,35 +217,6 @@ def verify(label: str, expected: np.ndarray, got: Any) -> None:
 # ---------------------------------------------------------------- processes
 
 
-def wait_line(stream: IO[str], prefix: str, what: str,
-              timeout: float = START_TIMEOUT_S) -> str:
-    """The first line of `stream` starting with `prefix`, within `timeout`.
-
-    A thread reads the stream and keeps draining it afterwards, so the writer never
-    blocks on a full pipe. RuntimeError with the last lines seen if it never comes.
-    """
-    lines: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        for line in stream:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=pump, daemon=True, name="hixl-store-bench-pump").start()
-    deadline = time.monotonic() + timeout
-    seen: list[str] = []
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            line = ""
-        if line.startswith(prefix):
-            return line.strip()
-        if not line:
-            raise RuntimeError(f"{what} did not start: {' | '.join(seen[-5:]) or '(no output)'}")
-        seen.append(line.strip())
-
-
 def holder_command(system: str, master: str, host: str, segment_bytes: int,
                    forever: bool = False) -> list[str]:
     """argv of a segment holder process (see holder_main)."""
@@ -256,24 +225,17 @@ def holder_command(system: str, master: str, host: str, segment_bytes: int,
             *(["--forever"] if forever else [])]
 
 
-class HolderProcess:
-    """A segment holder on this host; stop() closes its stdin (it unmounts and exits)."""
+class HolderProcess(DaemonProcess):
+    """A segment holder on this host, serving once constructed (its segment name in
+    `segment`; ProcessNotReady, a RuntimeError with its output, otherwise); stop() closes
+    its stdin (it unmounts and exits)."""
 
     def __init__(self, system: str, master: str, host: str, segment_bytes: int) -> None:
-        env = {**os.environ, **_QUIET, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(holder_command(system, master, host, segment_bytes),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env)
-        assert self.proc.stdout is not None
-        try:
-            self.segment = wait_line(self.proc.stdout, HOLDER_READY,
-                                     f"{system} segment holder").split()[2]
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        stop_child(self.proc, 15.0)
+        super().__init__(holder_command(system, master, host, segment_bytes),
+                         name=f"{system} segment holder", ready=HOLDER_READY,
+                         env={**os.environ, **_QUIET, "PYTHONUNBUFFERED": "1"},
+                         stop_by="stdin", grace_s=15.0)
+        self.segment = self.wait_ready(START_TIMEOUT_S).split()[2]
 
 
 def mooncake_store_unavailable() -> str | None:
@@ -309,12 +271,6 @@ def mooncake_master_command(binary: str, host: str, port: int, metrics_port: int
             f"-default_kv_lease_ttl={LEASE_TTL_MS}"]
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
-
-
 def wait_port(host: str, port: int, timeout: float,
               alive: Callable[[], bool] = lambda: True) -> bool:
     """True once (host, port) accepts a connection; False after `timeout` or once `alive()`
@@ -327,37 +283,29 @@ def wait_port(host: str, port: int, timeout: float,
     return False
 
 
-class MooncakeMasterProcess:
-    """A private `mooncake_master` on `host` (free ports), ready once its port accepts."""
+class MooncakeMasterProcess(DaemonProcess):
+    """A private `mooncake_master` on `host` (free ports), ready once its port accepts;
+    its log in a temporary file, removed by stop()."""
 
     def __init__(self, binary: str, host: str = "127.0.0.1") -> None:
-        port = free_port(host)
+        port, metrics_port = free_ports(2, host)
         self.target = f"{host}:{port}"
-        fd, self.log_path = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(
-                mooncake_master_command(binary, host, port, free_port(host)),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        if not wait_port(host, port, START_TIMEOUT_S, alive=lambda: self.proc.poll() is None):
-            tail = self.log()[-2000:]
+        fd, log_path = tempfile.mkstemp(prefix="mooncake-master-", suffix=".log")
+        os.close(fd)
+        super().__init__(mooncake_master_command(binary, host, port, metrics_port),
+                         name="mooncake_master", log_path=log_path)
+        if not wait_port(host, port, START_TIMEOUT_S, alive=self.alive):
+            tail = self.tail(2000)
             self.stop()
             raise RuntimeError(f"mooncake_master did not start (status "
                                f"{self.proc.returncode}): {tail}")
 
-    def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        with contextlib.suppress(OSError):
-            os.unlink(self.log_path)
+    def stop(self, grace_s: float | None = None) -> int:
+        status = super().stop(grace_s)
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
+        return status
 
 
 def _store_class(system: str) -> type:
