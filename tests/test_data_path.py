@@ -1040,13 +1040,15 @@ def test_run_replies_split_at_every_byte(served: Served, tmp_path: Path) -> None
 def test_refusals_between_runs_of_scattered_read_replies(served: Served, server: DataServer,
                                                          connect) -> None:
     """The real agent answers a READ batch with runs around two refused ops: each accepted
-    op's data is right, the refused ops' destinations untouched, `.failed` exact."""
+    op's data is right, the refused ops' destinations untouched, `.failed` exact. (The
+    remote pages have gaps between them, so each op is a frame of its own.)"""
     info = served.add(1, size=1 << 20)
     ghost = SegmentInfo(77, "agent", "node", info.base, info.length, MemType.MEM_HOST,
                         Perm.RW, EPOCH, False)
     transport = connect()
     back = ShmSegment(64 * 4096)
-    items = [Item(n, back.addr + n * 4096, info, info.base + n * 4096, 4096) for n in range(64)]
+    items = [Item(n, back.addr + n * 4096, info, info.base + 2 * n * 4096, 4096)
+             for n in range(64)]
     items[10] = Item(10, back.addr + 10 * 4096, info, info.end - 100, 4096)  # past the end
     items[40] = Item(40, back.addr + 40 * 4096, ghost, info.base, 4096)  # unknown segment
     for _ in range(3):  # and the stream stays in step for the next batch
@@ -1057,7 +1059,7 @@ def test_refusals_between_runs_of_scattered_read_replies(served: Served, server:
         for n in range(64):
             got = bytes(back.view()[n * 4096:(n + 1) * 4096])
             expected = (bytes(4096) if n in (10, 40)
-                        else served.bytes_of(1)[n * 4096:(n + 1) * 4096])
+                        else served.bytes_of(1)[2 * n * 4096:(2 * n + 1) * 4096])
             assert got == expected, n
     assert server.counters["connections"] == 1
     assert server.counters["refused"] == 6 and server.counters["ops_read"] == 3 * 62
@@ -1123,3 +1125,91 @@ def test_small_and_large_frames_mixed_in_one_batch(served: Served, connect) -> N
                                               item.length) for n, item in enumerate(items)],
                        deadline())
     assert bytes(back.view()[:sum(sizes)]) == bytes(local.view()[:sum(sizes)])
+
+
+@pytest.mark.parametrize("count", [64, tcp.MERGE_MAX_OPS + 88])
+def test_remote_contiguous_ops_travel_as_merged_frames(served: Served, server: DataServer,
+                                                       connect, count: int) -> None:
+    """Pages back to back in the peer's segment, scattered (reversed) here: WRITE then READ
+    them; the agent sees one frame per MERGE_MAX_OPS ops, every byte lands in place."""
+    page = 1024
+    info = served.add(1, size=count * page)
+    transport = connect(frame_limit=wire.MAX_PAYLOAD)
+    source, back = ShmSegment(count * page), ShmSegment(count * page)
+    source.view()[:] = random.Random(9).randbytes(source.length)
+    frames = -(-count // tcp.MERGE_MAX_OPS)
+
+    def items(local: ShmSegment) -> list[Item]:  # op n: remote page n, local page count-1-n
+        return [Item(n, local.addr + (count - 1 - n) * page, info, info.base + n * page, page)
+                for n in range(count)]
+    transport.transfer(TransferOp.WRITE, items(source), deadline())
+    written = served.bytes_of(1)
+    for n in range(count):
+        mine = (count - 1 - n) * page
+        assert written[n * page:(n + 1) * page] == bytes(source.view()[mine:mine + page]), n
+    transport.transfer(TransferOp.READ, items(back), deadline())
+    assert bytes(back.view()) == bytes(source.view())
+    assert server.counters["ops_write"] == frames and server.counters["ops_read"] == frames
+
+
+@pytest.mark.parametrize("op", [TransferOp.WRITE, TransferOp.READ])
+def test_a_refused_merged_frame_fails_every_op_it_carries(served: Served, server: DataServer,
+                                                          connect, op: TransferOp) -> None:
+    """Ops 3..7 are back to back but run past the segment's end: the agent refuses their
+    one frame, so all five fail (and only they); the others land, the stream goes on."""
+    page = 4096
+    info = served.add(1, size=16 * page)
+    transport = connect()
+    local = ShmSegment(16 * page)
+    local.view()[:] = random.Random(4).randbytes(local.length)
+    before = served.bytes_of(1)
+    ops = [Item(n, local.addr + n * page, info, info.base + 2 * n * page, page)
+           for n in range(3)]  # gaps between them: frames of their own
+    ops += [Item(n, local.addr + n * page, info, info.base + (12 + n - 3) * page, page)
+            for n in range(3, 8)]  # pages 12..16 of a 16-page segment: the last is outside
+    for _ in range(2):
+        with pytest.raises(errors.OutOfRange) as exc:
+            transport.transfer(op, ops, deadline())
+        assert exc.value.failed == [3, 4, 5, 6, 7]
+    after = served.bytes_of(1)
+    if op == TransferOp.WRITE:
+        for n in range(3):
+            at = 2 * n * page
+            assert after[at:at + page] == bytes(local.view()[n * page:(n + 1) * page])
+        assert after[12 * page:] == before[12 * page:]  # nothing of the refused frame
+    else:
+        for n in range(3):
+            at = 2 * n * page
+            assert bytes(local.view()[n * page:(n + 1) * page]) == after[at:at + page]
+
+
+def test_merge_joins_only_back_to_back_ops_of_one_segment_and_epoch() -> None:
+    """_merge: a new frame at a gap, another segment or epoch, the byte limit, or
+    MERGE_MAX_OPS ops; a frame of one op keeps its single view."""
+    views = [memoryview(bytearray(10)) for _ in range(8)]
+    requests = [(1, 5, 100, 10), (1, 5, 110, 10), (1, 5, 120, 10),  # one frame
+                (1, 5, 140, 10),                                    # a gap
+                (2, 5, 150, 10),                                    # another segment
+                (2, 6, 160, 10),                                    # another epoch
+                (2, 6, 170, 10), (2, 6, 180, 10)]                   # joined, then the limit
+    firsts, lasts, merged, pieces = tcp._merge(list(range(8)), requests, views, limit=20)
+    assert merged == [(1, 5, 100, 20), (1, 5, 120, 10), (1, 5, 140, 10), (2, 5, 150, 10),
+                      (2, 6, 160, 20), (2, 6, 180, 10)]
+    assert (firsts, lasts) == ([0, 2, 3, 4, 5, 7], [1, 2, 3, 4, 6, 7])
+    assert pieces[0] == views[0:2] and pieces[1] is views[2] and pieces[4] == views[5:7]
+    many = [(1, 5, 10 * n, 10) for n in range(tcp.MERGE_MAX_OPS + 1)]
+    _, lasts, merged, _ = tcp._merge(list(range(len(many))), many, [views[0]] * len(many),
+                                     limit=wire.MAX_PAYLOAD)
+    assert [r[3] for r in merged] == [10 * tcp.MERGE_MAX_OPS, 10]
+    assert lasts == [tcp.MERGE_MAX_OPS - 1, tcp.MERGE_MAX_OPS]
+    single = [(1, 5, 0, 10), (1, 5, 20, 10)]
+    assert tcp._merge([0, 1], single, views[:2], limit=100) == ([0, 1], None, single, views[:2])
+
+
+def test_a_broken_stream_fails_every_op_of_the_merged_frames_it_left_undone() -> None:
+    frames = tcp._Frames([0, 3, 5], [b""] * 3, lasts=[2, 4, 9])
+    refused = errors.OutOfRange("refused")
+    assert tcp._undone(frames, tcp._StreamLost("closed", "x", 2, [])) == set(range(5, 10))
+    assert tcp._undone(frames, tcp._StreamLost("closed", "x", 2, [(0, refused)])) == \
+        {0, 1, 2, *range(5, 10)}
+    assert list(frames.covered(1)) == [3, 4]

@@ -19,10 +19,12 @@ connections, one thread each (SocketTransport.transfer).
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import itertools
 import logging
 import math
 import operator
@@ -34,6 +36,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hixl import auth, wire
 from hixl.addresses import split_host_port
@@ -105,12 +108,61 @@ def parse_data_address(address: str,
 
 @dataclass(slots=True)
 class _Frames:
-    """The request frames of one exchange, as parallel lists (no object per frame)."""
+    """The request frames of one exchange, as parallel lists (no object per frame).
 
-    positions: list[int]  # each frame's item position in the batch; -1: control frames
+    A frame carries one op, or several ops whose remote ranges follow one another in one
+    segment (`_merge`): their local ranges are then its payload's (or reply data's) pieces,
+    a list of views, and `lasts` names the last op's position."""
+
+    positions: list[int]  # each frame's (first) item position in the batch; -1: control
     headers: list[bytes]  # HELLO and AUTH headers carry their payload too
-    payloads: list[Buffer] | None = None  # WRITE: each frame's data, sent after its header
-    targets: list[memoryview] | None = None  # READ: where each reply's data lands
+    payloads: list[Any] | None = None  # WRITE: each frame's data (a view or a list of them)
+    targets: list[Any] | None = None  # READ: where each reply's data lands (the same)
+    lasts: list[int] | None = None  # each frame's last item position; None: one item each
+
+    def covered(self, frame: int) -> range:
+        """The item positions frame number `frame` carries."""
+        first = self.positions[frame]
+        return range(first, (self.lasts[frame] if self.lasts is not None else first) + 1)
+
+
+#: most ops one merged frame carries (its views are one scatter/gather call's buffers)
+MERGE_MAX_OPS = IOV_MAX // 2
+
+
+def _merge(positions: list[int], requests: list[tuple[int, int, int, int]],
+           views: list[memoryview], limit: int
+           ) -> tuple[list[int], list[int] | None, list[tuple[int, int, int, int]], list[Any]]:
+    """Ops whose remote ranges follow one another in one segment (one epoch) become one
+    frame of at most `limit` bytes and MERGE_MAX_OPS ops, its data the ops' local pieces
+    in order: a row of pages the peer holds back to back (a KV block's layers, a MoE
+    destination's rows) costs the agent one frame, not one per page, whatever the local
+    layout. Returns (first positions, last positions or None, requests, views per frame).
+
+    The agent checks a merged frame as one range, so a refusal (the segment was
+    deregistered meanwhile) fails every op of the frame."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    segment, epoch, end, size = requests[0][0], requests[0][1], sum(requests[0][2:]), \
+        requests[0][3]
+    for index in range(1, len(requests)):
+        seg, ep, remote, length = requests[index]
+        if (remote == end and seg == segment and ep == epoch and size + length <= limit
+                and index - start < MERGE_MAX_OPS):
+            end += length
+            size += length
+            continue
+        groups.append((start, index))
+        start, segment, epoch, end, size = index, seg, ep, remote + length, length
+    groups.append((start, len(requests)))
+    if len(groups) == len(requests):
+        return positions, None, requests, views
+    firsts = [positions[a] for a, _ in groups]
+    lasts = [positions[b - 1] for _, b in groups]
+    merged = [requests[a] if b - a == 1 else
+              (*requests[a][:3], sum(r[3] for r in requests[a:b])) for a, b in groups]
+    pieces = [views[a] if b - a == 1 else views[a:b] for a, b in groups]
+    return firsts, lasts, merged, pieces
 
 
 def _views(addrs: list[int], lengths: list[int], *, writable: bool) -> list[memoryview]:
@@ -171,6 +223,8 @@ class _Connection:
         # from _at on (the first maybe already part-filled), and the bytes still to come
         self._targets = BufferQueue([])
         self._data_left = 0
+        self._run_first = self._run_end = 0  # the frames the current READ reply answers
+        self._frame_ends: list[int] | None = None  # their byte ends, when frames are merged
         self._refusal: wire.Header | None = None  # error reply whose text is still coming
         self.replied = 0  # progress of the current exchange
         self.refusals: list[tuple[int, HixlError]] = []
@@ -355,7 +409,15 @@ class _Connection:
         """
         headers, payloads = frames.headers, frames.payloads
         buffers: list[Buffer]
-        if payloads is not None:  # header, payload, header, payload, ...
+        if payloads is not None and frames.lasts is not None:  # merged: several pieces
+            buffers = []
+            for header, payload in zip(headers, payloads, strict=True):
+                buffers.append(header)
+                if type(payload) is list:
+                    buffers += payload
+                else:
+                    buffers.append(payload)
+        elif payloads is not None:  # header, payload, header, payload, ...
             buffers = [b""] * (2 * len(headers))
             buffers[::2] = headers
             buffers[1::2] = payloads
@@ -435,7 +497,18 @@ class _Connection:
                 self.replied += wire.reply_count(header)
             else:  # the data of one READ, or of a run of them, follows back to back
                 count = wire.reply_count(header)
-                self._targets = BufferQueue(targets[self.replied:self.replied + count])
+                run = targets[self.replied:self.replied + count]
+                self._run_first, self._run_end = self.replied, self.replied + count
+                if any(type(target) is list for target in run):  # merged frames' pieces
+                    flat: list[Buffer] = []
+                    for target in run:
+                        flat += target if type(target) is list else [target]
+                    self._targets = BufferQueue(flat)
+                    self._frame_ends = list(itertools.accumulate(
+                        sum(map(len, t)) if type(t) is list else len(t) for t in run))
+                else:
+                    self._targets = BufferQueue(run)
+                    self._frame_ends = None
                 self._data_left = header.length
         return read_any
 
@@ -452,7 +525,7 @@ class _Connection:
         else:
             chunk = targets.chunk(IOV_MAX - 1)
             header_too = (targets.index + len(chunk) == len(targets.buffers)
-                          and self.replied + len(chunk) < total)
+                          and self._run_end < total)
             if header_too:  # these targets end the reply, and another reply is due
                 self._start = self._end = 0
                 chunk.append(self._view[:wire.HEADER_SIZE])
@@ -467,7 +540,12 @@ class _Connection:
                 self._end = got - self._data_left
                 got = self._data_left
         self._data_left -= got
-        self.replied += targets.advance(got)
+        done = targets.advance(got)
+        if self._frame_ends is None:  # one buffer per frame
+            self.replied += done
+        else:
+            self.replied = self._run_first + bisect.bisect_right(self._frame_ends,
+                                                                 targets.moved)
         return True
 
     def _from_scratch(self, targets: BufferQueue) -> int:
@@ -519,8 +597,13 @@ def _undone(frames: _Frames, lost: _StreamLost) -> set[int]:
     """Positions of items not completed on a broken stream: an item is done only when
     every one of its frames was acknowledged (refused frames are not done either)."""
     positions = frames.positions
-    undone = set(positions[lost.replied:])
-    undone.update(positions[n] for n, _ in lost.refusals)
+    if frames.lasts is None:
+        undone = set(positions[lost.replied:])
+        undone.update(positions[n] for n, _ in lost.refusals)
+        return undone
+    undone = set()
+    for frame in [*range(lost.replied, len(positions)), *(n for n, _ in lost.refusals)]:
+        undone.update(frames.covered(frame))
     return undone
 
 
@@ -717,11 +800,12 @@ class SocketTransport(Transport):
             positions, requests, addrs, lengths = self._cut(items, lo, hi, limit)
         if not requests:
             return _Frames([], [])
+        views: list[Any] = _views(addrs, lengths, writable=not writing)
+        positions, lasts, requests, views = _merge(positions, requests, views, limit)
         headers = proto.requests(wire.Op.WRITE if writing else wire.Op.READ, requests)
-        views = _views(addrs, lengths, writable=not writing)
         if writing:
-            return _Frames(positions, headers, payloads=views)
-        return _Frames(positions, headers, targets=views)
+            return _Frames(positions, headers, payloads=views, lasts=lasts)
+        return _Frames(positions, headers, targets=views, lasts=lasts)
 
     @staticmethod
     def _cut(items: Sequence[Item], lo: int, hi: int | None, limit: int
@@ -770,7 +854,7 @@ class SocketTransport(Transport):
             self._release(conn, reusable=False)
             raise
         self._release(conn, reusable=True)
-        return [(frames.positions[n], error) for n, error in refusals]
+        return [(pos, error) for n, error in refusals for pos in frames.covered(n)]
 
     def _exchange_striped(self, lanes: list[tuple[_Connection, _Frames]], deadline: float,
                           what: str, items: Sequence[Item]) -> list[tuple[int, HixlError]]:
@@ -795,7 +879,8 @@ class SocketTransport(Transport):
                 first_lost = first_lost or outcome
             else:
                 self._release(conn, reusable=True)
-                refusals += [(frames.positions[n], error) for n, error in outcome]
+                refusals += [(pos, error) for n, error in outcome
+                             for pos in frames.covered(n)]
         if first_lost is not None:
             undone.update(pos for pos, _ in refusals)
             raise self._stream_error(first_lost, what, items, undone)
