@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import IO, Any
@@ -51,26 +51,30 @@ BASE = 1 << 40
 
 
 class MasterProcess(DaemonProcess):
-    """A `hixl-master` subprocess on 127.0.0.1 (for the bench and for tests), serving once
+    """A `hixl-master` subprocess on `host` (for the bench and for tests), serving once
     constructed (HixlError with its log otherwise).
 
     stderr goes to a log file (never a pipe nobody reads, which could fill and block it).
     `port=0` picks a free port; pass the old port to restart a master where it was.
+    `host=None` leaves the host to the master's default; `env` is its environment (None:
+    ours).
     """
 
-    def __init__(self, port: int = 0, *, log_level: str = "INFO",
-                 extra: Sequence[str] = (), log_path: str | None = None) -> None:
+    def __init__(self, port: int = 0, *, host: str | None = "127.0.0.1",
+                 log_level: str = "INFO", extra: Sequence[str] = (),
+                 log_path: str | None = None, env: Mapping[str, str] | None = None) -> None:
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="hixl-master-", suffix=".log")
             os.close(fd)
         super().__init__(
-            [sys.executable, "-m", "hixl.server.master", "--host", "127.0.0.1",
+            [sys.executable, "-m", "hixl.server.master",
+             *(() if host is None else ("--host", host)),
              "--port", str(port), "--log-level", log_level,
              # metadata kept only when the caller names a place for it (dir or etcd)
              *(() if any(f.startswith(("--data-dir", "--etcd-endpoints")) for f in extra)
                else ("--no-persist",)),
              *extra],
-            name="hixl-master", ready=MASTER_READY, log_path=log_path,
+            name="hixl-master", ready=MASTER_READY, env=env, log_path=log_path,
             grace_s=MASTER_START_TIMEOUT_S)
         try:
             line = self.wait_ready(MASTER_START_TIMEOUT_S)

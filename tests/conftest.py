@@ -40,6 +40,7 @@ from etcd_cluster import EtcdCluster, start_cluster_or_skip
 
 from hixl.auth import load_token
 from hixl.client.agent_client import AgentClient, AgentInfo
+from hixl.client.registry_bench import MasterProcess
 from hixl.processes import DaemonProcess, ProcessNotReady
 
 READY_PREFIX = "hixl-agent serving "
@@ -105,6 +106,16 @@ def start_agent(config_path: str, *args: str, log_path: str, env: Mapping[str, s
         return agent, agent.wait_ready(timeout)
     except ProcessNotReady as exc:
         pytest.fail(str(exc))
+
+
+@contextlib.contextmanager
+def master_process(*flags: str, env: Mapping[str, str] | None = None,
+                   log_path: str | None = None) -> Iterator[str]:
+    """A hixl-master on a free port of 127.0.0.1 with `flags` (a MasterProcess, environment
+    clean_env(env), stderr to `log_path`: a temporary file by default); yields its address
+    once it serves, and kills it after (its log removed)."""
+    with MasterProcess(extra=flags, env=clean_env(env), log_path=log_path) as master:
+        yield master.target
 
 
 def parse_ready(line: str) -> dict[str, str]:

@@ -22,6 +22,7 @@ from conftest import AgentProcess, agent_command, clean_env, parse_ready
 
 from hixl import wire
 from hixl.client.agent_client import AgentClient, FdClient
+from hixl.client.registry_bench import MasterProcess
 from hixl.control import error_from_rpc
 from hixl.errors import (
     HixlError,
@@ -396,23 +397,15 @@ wait_for = partial(waiting.wait_until, timeout=20.0)
 
 @pytest.fixture
 def start_master() -> Iterator[Callable[[int], str]]:
-    procs: list[subprocess.Popen[str]] = []
+    masters: list[MasterProcess] = []
 
     def start(port: int = 0) -> str:
-        proc = subprocess.Popen([sys.executable, "-m", "hixl.server.master", "--port", str(port),
-                                 "--no-persist"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                env=clean_env())
-        procs.append(proc)
-        line = proc.stdout.readline()
-        assert line.startswith("hixl-master serving "), line
-        return line.split()[-1]
+        masters.append(MasterProcess(port, env=clean_env()))
+        return masters[-1].target
 
     yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(10)
-        proc.stdout.close()
+    for master in masters:
+        master.close()
 
 
 def names(segments: list) -> list[str]:

@@ -8,15 +8,13 @@ agent keeps serving everyone else. Deadlines only prove "does not hang".
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import selectors
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import grpc
 import pytest
 import waiting
 import yaml
-from conftest import AgentProcess, agent_command, clean_env
+from conftest import AgentProcess, agent_command, clean_env, master_process
 
 from hixl import FAILED, SUCCESS, AuthenticationFailed, Engine, Hixl, auth, wire
 from hixl.client.agent_client import AgentClient
@@ -456,30 +454,6 @@ def test_an_embedded_agent_requires_the_engine_token(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- hixl-master
-
-READY_MASTER = "hixl-master serving "
-
-
-@contextlib.contextmanager
-def master_process(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """A hixl-master on a free port; yields its address once it serves."""
-    proc = subprocess.Popen([sys.executable, "-m", "hixl.server.master", "--port", "0", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=clean_env(env))
-    try:
-        assert proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            assert sel.select(timeout=DEADLINE_S), "hixl-master did not start"
-            line = proc.stdout.readline()
-        assert line.startswith(READY_MASTER), f"unexpected first line {line!r}"
-        yield line[len(READY_MASTER):].strip()
-    finally:
-        proc.kill()
-        proc.wait(DEADLINE_S)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
 
 def test_master_refuses_an_agent_with_the_wrong_token(
         agent_process: StartAgent, token_file: str, wrong_token_file: str) -> None:

@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
 import socket
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from conftest import AgentProcess, clean_env
 
+from hixl.client.registry_bench import MasterProcess
 from hixl.processes import free_port
 
-START_DEADLINE_S = 20.0
 LISTEN = "0A"                 # TCP_LISTEN in /proc/net/tcp
 UNIX_ACCEPTING = 0x10000      # __SO_ACCEPTCON in /proc/net/unix flags
 StartAgent = Callable[..., AgentProcess]
@@ -93,28 +89,6 @@ def local_non_loopback_address() -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def master_process(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    log_path = tmp_path / "master.log"
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hixl.server.master", "--port", "0",
-                                 "--no-persist", *flags], stdout=subprocess.PIPE, stderr=log,
-                                text=True, env=clean_env())
-    try:
-        assert proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            line = proc.stdout.readline() if sel.select(timeout=START_DEADLINE_S) else ""
-        assert line.startswith("hixl-master serving "), (
-            f"hixl-master did not start: {line!r}\n{log_path.read_text()}")
-        yield proc, line.split()[-1]
-    finally:
-        proc.kill()
-        proc.wait(START_DEADLINE_S)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
 def port_of(address: str) -> int:
     return int(address.rpartition(":")[2])
 
@@ -122,13 +96,14 @@ def port_of(address: str) -> int:
 
 @pytest.mark.parametrize("where, mode", [("127.0.0.2", 0o600), ("non-loopback", 0o660)])
 def test_agent_and_master_listen_only_on_the_configured_host(
-        where: str, mode: int, agent_process: StartAgent, tmp_path: Path) -> None:
+        where: str, mode: int, agent_process: StartAgent) -> None:
     host = where if where != "non-loopback" else local_non_loopback_address()
     if host is None:
         pytest.skip("this host has no non-loopback IPv4 address")
     master_metrics = free_port(host)
-    with master_process(tmp_path, "--host", host, "--metrics-port",
-                        str(master_metrics)) as (master, master_address):
+    with MasterProcess(host=host, extra=["--metrics-port", str(master_metrics)],
+                       env=clean_env()) as master:
+        master_address = master.target
         assert master_address.startswith(f"{host}:")
         listening = tcp_listeners(master.pid)
         assert {port_of(master_address), master_metrics} <= {p for _, p in listening}
@@ -152,8 +127,9 @@ def test_agent_and_master_listen_only_on_the_configured_host(
             assert os.stat(path).st_mode & 0o777 == mode, path
 
 
-def test_master_binds_loopback_by_default(tmp_path: Path) -> None:
-    with master_process(tmp_path) as (master, address):
+def test_master_binds_loopback_by_default() -> None:
+    with MasterProcess(host=None, env=clean_env()) as master:  # the master's default host
+        address = master.target
         assert address.startswith("127.0.0.1:")
         listening = tcp_listeners(master.pid)
         assert listening and {a for a, _ in listening} == {"127.0.0.1"}, listening

@@ -5,42 +5,17 @@ published and why, and `hixl status` says so too. Real agents, a real master.
 
 from __future__ import annotations
 
-import contextlib
-import selectors
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-from conftest import AgentProcess, clean_env, parse_ready
+from conftest import AgentProcess, clean_env, master_process, parse_ready
 
 from hixl.processes import free_port
 
 StartAgent = Callable[..., AgentProcess]
 DEADLINE_S = 30.0
-READY_MASTER = "hixl-master serving "
-
-
-@contextlib.contextmanager
-def master_process(*flags: str) -> Iterator[str]:
-    """A hixl-master on a free port (no persistence); yields its address once it serves."""
-    proc = subprocess.Popen([sys.executable, "-m", "hixl.server.master", "--port", "0",
-                             "--no-persist", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=clean_env())
-    try:
-        assert proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            assert sel.select(timeout=DEADLINE_S), "hixl-master did not start"
-            line = proc.stdout.readline()
-        assert line.startswith(READY_MASTER), f"unexpected first line {line!r}"
-        yield line[len(READY_MASTER):].strip()
-    finally:
-        proc.kill()
-        proc.wait(DEADLINE_S)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def _status(agent: str) -> subprocess.CompletedProcess[str]:

@@ -10,20 +10,18 @@ prove "does not hang".
 
 from __future__ import annotations
 
-import contextlib
 import os
-import selectors
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import waiting
 import yaml
-from conftest import AgentProcess, agent_command, clean_env
+from conftest import AgentProcess, agent_command, clean_env, master_process
 
 from hixl import Engine, auth, tls
 from hixl.client import cli
@@ -323,38 +321,15 @@ def test_an_embedded_agent_serves_tls_and_the_name_in_the_certificate_matters(
 
 # ---------------------------------------------------------------- hixl-master over TLS
 
-@contextlib.contextmanager
-def master_process(tmp_path: Path, *flags: str) -> Iterator[str]:
-    """A hixl-master on a free port; yields its address once it serves."""
-    log_path = tmp_path / "master.log"
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "hixl.server.master", "--port", "0",
-                                 *flags], stdout=subprocess.PIPE, stderr=log, text=True,
-                                env=clean_env())
-    try:
-        assert proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            ready = sel.select(timeout=DEADLINE_S)
-            line = proc.stdout.readline() if ready else ""
-        assert line.startswith("hixl-master serving "), (
-            f"hixl-master did not start: {line!r}\n{log_path.read_text()}")
-        yield line.split()[-1]
-    finally:
-        proc.kill()
-        proc.wait(DEADLINE_S)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
 def test_master_registry_and_store_over_mutual_tls(pki: Pki, agent_process: StartAgent,
                                                    token_file: str, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """An agent publishes to a master requiring client certificates (it presents its own),
     store calls and transfers run over TLS, and plaintext is refused with a clear error."""
-    with master_process(tmp_path, "--cluster-token-file", token_file, "--tls-cert-file",
+    with master_process("--cluster-token-file", token_file, "--tls-cert-file",
                         pki.node.cert, "--tls-key-file", pki.node.key, "--tls-ca-file",
-                        pki.ca, "--tls-client-auth") as master:
+                        pki.ca, "--tls-client-auth",
+                        log_path=str(tmp_path / "master.log")) as master:
         monkeypatch.setenv(tls.ENV_CA_FILE, pki.ca)  # the fixture's handshake
         agent = agent_process(config=serving(pki.node, master=master, tls_ca_file=pki.ca,
                                              cluster_token_file=token_file,
