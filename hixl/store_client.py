@@ -901,19 +901,40 @@ class ReadGate:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._reading: Counter[str] = Counter()
+        self._reading: dict[str, int] = {}
         self._removing: Counter[str] = Counter()
+        self._waiting = 0  # removals waiting for reads to leave (only they need a notify)
+
+    def enter(self, names: list[str]) -> None:
+        """A read of `names` (str keys only) begins: after any removal of them in
+        progress. Pair with `leave` (reading() does both)."""
+        with self._cond:
+            if self._removing:
+                self._cond.wait_for(lambda: not any(self._removing[k] for k in names))
+            reading = self._reading
+            for name in names:
+                reading[name] = reading.get(name, 0) + 1
+
+    def leave(self, names: list[str]) -> None:
+        with self._cond:
+            reading = self._reading
+            for name in names:
+                left = reading[name] - 1
+                if left:
+                    reading[name] = left
+                else:
+                    del reading[name]
+            if self._waiting:
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def reading(self, keys: Iterable[Any]) -> Iterator[None]:
         names = [k for k in keys if isinstance(k, str)]
-        with self._cond:
-            self._cond.wait_for(lambda: not any(self._removing[k] for k in names))
-            self._reading.update(names)
+        self.enter(names)
         try:
             yield
         finally:
-            self._leave(self._reading, names)
+            self.leave(names)
 
     @contextlib.contextmanager
     def removing(self, keys: Iterable[Any], wait_s: float) -> Iterator[bool]:
@@ -921,21 +942,22 @@ class ReadGate:
         ends); False when reads were still running after `wait_s`."""
         names = [k for k in keys if isinstance(k, str)]
         with self._cond:
-            idle = self._cond.wait_for(lambda: not any(self._reading[k] for k in names),
-                                       timeout=wait_s)
+            self._waiting += 1
+            try:
+                idle = self._cond.wait_for(lambda: not any(k in self._reading for k in names),
+                                           timeout=wait_s)
+            finally:
+                self._waiting -= 1
             self._removing.update(names)
         try:
             yield idle
         finally:
-            self._leave(self._removing, names)
-
-    def _leave(self, counts: Counter[str], names: list[str]) -> None:
-        with self._cond:
-            counts.subtract(names)
-            for name in names:
-                if counts[name] <= 0:
-                    del counts[name]
-            self._cond.notify_all()
+            with self._cond:
+                self._removing.subtract(names)
+                for name in names:
+                    if self._removing[name] <= 0:
+                        del self._removing[name]
+                self._cond.notify_all()
 
 
 # ---------------------------------------------------------------------------- reservations

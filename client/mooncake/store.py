@@ -1737,12 +1737,16 @@ class MooncakeDistributedStore:
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
         target = ""
-        with self._reads.reading(keys):
-            found = [self._locations.get(key) for key in keys]
+        names = list(keys)
+        self._reads.enter(names)
+        try:
+            found = [self._locations.get(key) for key in names]
             for result, ptr, size in zip(found, ptrs, sizes, strict=True):
                 if result is None or not 0 < result.size <= size:
                     return None
-                replica = min(result.replicas, key=self._nearness)
+                replicas = result.replicas
+                replica = replicas[0] if len(replicas) == 1 else min(replicas,
+                                                                     key=self._nearness)
                 if self._is_local(replica):
                     local.append((ptr, replica.addr, result.size))
                     continue
@@ -1760,6 +1764,8 @@ class MooncakeDistributedStore:
                                     local_registered=False)
                 except HixlError:
                     return None
+        finally:
+            self._reads.leave(names)
         return [result.size for result in found]  # type: ignore[union-attr]
 
     def batch_get_into_multi_buffers(self, keys: list[str], all_buffer_ptrs: list[list[int]],
