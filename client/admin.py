@@ -16,7 +16,7 @@ import grpc
 
 from hixl.client.agent_client import AgentClient
 from hixl.client.bench import format_table
-from hixl.control import error_from_rpc, open_channel
+from hixl.control import DEFAULT_GRPC_PORT, error_from_rpc, open_channel
 from hixl.errors import (
     AuthenticationFailed,
     HixlError,
@@ -27,7 +27,6 @@ from hixl.errors import (
 )
 from hixl.failover import leader_hint, parse_addresses
 from hixl.registry_client import EngineInfo, RegistryClient
-from hixl.server.config import DEFAULT_GRPC_PORT
 from hixl.sizes import format_size
 from hixl.store_client import KeyInfo, MasterClient, MasterRpcError
 from hixl.store_codes import ErrorCode

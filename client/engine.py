@@ -409,6 +409,15 @@ class TransferRequest:
             raise TransferTimeout(f"transfer to {self.remote} passed its deadline") from None
 
 
+def embedded_agent_config(**fields: Any) -> Any:
+    """An agent configuration (hixl.server.config.AgentConfig of `fields`) for an agent
+    embedded in this process: `Engine(..., agent_config=...)`. With
+    Engine._start_embedded_agent, the SDK's one way into hixl.server."""
+    from hixl.server.config import AgentConfig
+
+    return AgentConfig(**fields)
+
+
 class Engine:
     """Pythonic hixl engine: exceptions, context manager, buffers accepted for addresses."""
 
@@ -476,12 +485,13 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def _start_embedded_agent(self, agent_config: Any | None) -> Any:
-        from hixl.server.config import AgentConfig
+        """The seam (with embedded_agent_config): the one place the SDK starts the agent
+        implementation, hixl.server, in this process (tests/test_layout.py holds to it)."""
         from hixl.server.runtime import AgentServer
 
         # with a registry, the embedded agent publishes there, so every engine sees it
-        config = agent_config or AgentConfig(host=self.host, grpc_port=self.port,
-                                             master=self.registry or "")
+        config = agent_config or embedded_agent_config(host=self.host, grpc_port=self.port,
+                                                       master=self.registry or "")
         server = AgentServer(config, cluster_token=self._cluster_token)
         server.start()
         return server

@@ -475,12 +475,12 @@ class ShmemContext:
                       local_paths: bool) -> Any:
         """An engine whose embedded agent (a free port) serves the heap and publishes it
         to the registry it also follows; fabric and unix-socket paths unless told not to."""
-        from hixl.client.engine import Engine
-        from hixl.server.config import AgentConfig
+        from hixl.client.engine import Engine, embedded_agent_config
 
         host = host or _local_host_toward(registry)
-        config = AgentConfig(host=host.strip("[]"), grpc_port=0, data_port=0,
-                             data_unix=local_paths, master=registry, lease_ttl_ms=lease_ttl_ms)
+        config = embedded_agent_config(host=host.strip("[]"), grpc_port=0, data_port=0,
+                                       data_unix=local_paths, master=registry,
+                                       lease_ttl_ms=lease_ttl_ms)
         return Engine(host, {"EnableUseFabricMem": "1" if local_paths else "0"},
                       agent_config=config, registry=registry)
 

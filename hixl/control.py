@@ -57,6 +57,8 @@ rpc_log = logging.getLogger("hixl.rpc")
 
 STATUS_KEY = "hixl-status"
 ERROR_KEY = "hixl-error"
+#: an agent's gRPC port when its configuration names none (what `hixl` tools dial too)
+DEFAULT_GRPC_PORT = 50161
 
 # The most specific class wins: check subclasses before their bases.
 _CODE_BY_TYPE: tuple[tuple[type[HixlError], grpc.StatusCode], ...] = (

@@ -74,6 +74,10 @@ class ErrorCode(enum.IntEnum):
 #: What a client reports when the master could not be asked at all.
 RPC_FAIL = ErrorCode.RPC_FAIL
 
+#: The most replicas one value may have (a ReplicateConfig's replica_num, a Commit's
+#: ranges): the master refuses more, and the store client checks it before asking.
+MAX_REPLICAS = 64
+
 
 #: The codes hixl's store returns, each with what to do about it: the store client logs
 #: the hint with each failure, and docs/errors.md quotes every entry (tests/test_docs.py).

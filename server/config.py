@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from hixl.control import node_identity
+from hixl.control import DEFAULT_GRPC_PORT, node_identity
 from hixl.errors import ConfigError, ParamInvalid
 from hixl.failover import parse_addresses
 from hixl.server.agent import MAX_SEGMENTS
@@ -38,7 +38,6 @@ from hixl.tls import ClientTLS, ServerTLS
 from hixl.types import Perm, check_allowed_engines
 
 ENV_PREFIX = "HIXL_AGENT_"
-DEFAULT_GRPC_PORT = 50161
 METRICS_PORT = 9161  # the conventional port of an agent's Prometheus endpoint
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

@@ -88,7 +88,7 @@ from hixl.store_client import (
     SoftPinAction,
     StoreSegment,
 )
-from hixl.store_codes import ErrorCode
+from hixl.store_codes import MAX_REPLICAS, ErrorCode
 
 log = logging.getLogger("hixl.store")
 
@@ -96,7 +96,6 @@ _T = TypeVar("_T")
 
 ALIGNMENT = 64
 MAX_KEY_BYTES = 4096
-MAX_REPLICAS = 64
 MAX_SOFT_PIN_TTL_MS = 24 * 3600 * 1000       # Mooncake's cap
 MAX_U64 = (1 << 64) - 1
 ALLOCATION_STRATEGIES = ("random", "free_ratio_first")

@@ -1,7 +1,8 @@
 """Layout rules that keep the distribution honest.
 
 - Dependencies point one way (DESIGN.md §7): the core `hixl` modules import neither
-  hixl.server nor hixl.client, and hixl.server does not import hixl.client. Checked by
+  hixl.server nor hixl.client, hixl.server does not import hixl.client, and hixl.client
+  reaches hixl.server only through one seam (an agent embedded by client/engine.py). Checked by
   parsing every import statement (and constant `import_module("...")` calls) with `ast`,
   then once more at run time in a fresh interpreter.
 - Every console script in pyproject.toml resolves to a callable, every lazily re-exported
@@ -126,6 +127,20 @@ def test_server_does_not_import_client() -> None:
     assert files
     bad = _violations(files, ("hixl.client",))
     assert not bad, "hixl.server must not depend on hixl.client:\n" + "\n".join(bad)
+
+
+#: client modules that may import hixl.server: the SDK's seam (an agent embedded in the
+#: process: Engine._start_embedded_agent, embedded_agent_config), and the soak tool, which
+#: takes hixl-master's own flag parser to build the masters it starts
+SERVER_SEAM = (ROOT / "client" / "engine.py", ROOT / "client" / "soak.py")
+
+
+def test_the_client_reaches_the_server_only_through_the_seam() -> None:
+    files = _python_files(ROOT / "client", SERVER_SEAM)
+    assert files
+    bad = _violations(files, ("hixl.server",))
+    assert not bad, ("hixl.client reaches hixl.server only through client/engine.py's "
+                     "embedded agent (move shared constants into hixl/):\n" + "\n".join(bad))
 
 
 def test_import_rules_catch_violations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

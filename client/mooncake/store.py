@@ -70,7 +70,6 @@ from hixl.failover import parse_addresses
 from hixl.logs import log_failure
 from hixl.memory import ShmSegment, buffer_range, copy_moves, keep_freed_memory, new_bytes
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM
-from hixl.server.store import MAX_REPLICAS
 from hixl.sizes import parse_size, split_size
 from hixl.store_client import (
     ClientStatus,
@@ -88,7 +87,7 @@ from hixl.store_client import (
     SoftPinAction,
     StoreSegment,
 )
-from hixl.store_codes import ErrorCode, code_name, hint_for_code
+from hixl.store_codes import MAX_REPLICAS, ErrorCode, code_name, hint_for_code
 from hixl.table import AddressTable, check_range
 from hixl.types import Perm, TransferOp, TransferOpDesc
 
