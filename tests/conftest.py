@@ -374,6 +374,8 @@ class _Reach:
                 if _in_tests(getattr(klass, "__module__", "")):
                     for item in vars(klass).values():
                         self.value(item)
+                else:  # a library base (a DaemonProcess subclass's) counts by its module
+                    self.value(klass)
             return
         code = getattr(value, "__code__", None)
         if code is not None:

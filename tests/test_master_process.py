@@ -5,20 +5,23 @@ Deadlines here only prove "does not hang"; nothing asserts how long anything too
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 
 import pytest
 
 from hixl import wire
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
-from hixl.processes import free_port
+from hixl.processes import DaemonProcess, free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.master import MasterConfig, StoreConfig, parse_config
 from hixl.store_rpc import METHODS
@@ -35,47 +38,35 @@ def seg(engine: str, segment_id: int, base: int, length: int = 4096, epoch: int 
                        shareable=True, name=f"{engine}-{segment_id}")
 
 
-class Master:
-    """A hixl-master subprocess; stdout/stderr are drained by threads so it never blocks."""
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+class Master(DaemonProcess):
+    """A hixl-master subprocess (hixl.processes drains its output); its stderr goes to a
+    temporary log file (`stderr`: its lines so far), removed once the object is gone."""
 
     def __init__(self, *flags: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hixl.server.master", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.stderr: list[str] = []
-        self._threads = [
-            threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put),
-                             daemon=True),
-            threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append),
-                             daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        fd, log_path = tempfile.mkstemp(prefix="hixl-master-", suffix=".log")
+        os.close(fd)
+        weakref.finalize(self, _remove, log_path)
+        super().__init__([sys.executable, "-m", "hixl.server.master", *flags],
+                         name="hixl-master", ready=READY_PREFIX, log_path=log_path)
         self.target = ""
 
-    @staticmethod
-    def _pump(stream, sink) -> None:  # type: ignore[no-untyped-def]
-        for line in stream:
-            sink(line)
-        sink(None)
+    @property
+    def stderr(self) -> list[str]:
+        return self.log().splitlines(keepends=True)
 
-    def wait_ready(self) -> str:
-        line = self.lines.get(timeout=START_DEADLINE_S)
-        assert line is not None and line.startswith(READY_PREFIX), (
-            f"no ready line; got {line!r}; stderr: {''.join(filter(None, self.stderr))}")
-        self.target = line[len(READY_PREFIX):].strip()
+    def wait_ready(self, timeout: float = START_DEADLINE_S) -> str:
+        self.target = super().wait_ready(timeout)[len(READY_PREFIX):].strip()
         return self.target
 
-    def stop(self, signum: int = signal.SIGTERM) -> int:
+    def stop(self, signum: int = signal.SIGTERM) -> int:  # type: ignore[override]
         if self.proc.poll() is None:
             self.proc.send_signal(signum)
         return self.proc.wait(timeout=START_DEADLINE_S)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=START_DEADLINE_S)
 
 
 @pytest.fixture
@@ -343,9 +334,7 @@ def test_call_limits_reach_the_store_call_endpoint() -> None:
             sock.sendall(wire.Header(wire.Op.CALL, 3, segment_id=put_start,
                                      length=512 << 10).pack())
             assert sock.recv(1) == b""
-        process.stop()
-        for thread in process._threads:  # the whole log read
-            thread.join(START_DEADLINE_S)
+        process.stop()  # its log is whole once it exited
         log = "".join(filter(None, process.stderr))
         assert "a call body did not arrive within 2 s" in log, log
     finally:
