@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
@@ -80,6 +81,20 @@ def agent_command(config_path: str, *args: str) -> list[str]:
 # never in the host's /var/lib/hixl.
 TEST_STATE_DIR = tempfile.mkdtemp(prefix="hixl-test-state-")
 os.environ["HIXL_AGENT_STATE_DIR"] = TEST_STATE_DIR
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def temporary_log(owner: object, prefix: str) -> str:
+    """A new temporary file for `owner`'s log (a DaemonProcess's log_path), removed once
+    `owner` is gone (or at exit)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    os.close(fd)
+    weakref.finalize(owner, _remove_file, path)
+    return path
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -5,19 +5,17 @@ Deadlines here only prove "does not hang"; nothing asserts how long anything too
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import weakref
 from collections.abc import Iterator
 
 import pytest
+from conftest import temporary_log
 
 from hixl import wire
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
@@ -38,21 +36,14 @@ def seg(engine: str, segment_id: int, base: int, length: int = 4096, epoch: int 
                        shareable=True, name=f"{engine}-{segment_id}")
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
 class Master(DaemonProcess):
     """A hixl-master subprocess (hixl.processes drains its output); its stderr goes to a
     temporary log file (`stderr`: its lines so far), removed once the object is gone."""
 
     def __init__(self, *flags: str) -> None:
-        fd, log_path = tempfile.mkstemp(prefix="hixl-master-", suffix=".log")
-        os.close(fd)
-        weakref.finalize(self, _remove, log_path)
         super().__init__([sys.executable, "-m", "hixl.server.master", *flags],
-                         name="hixl-master", ready=READY_PREFIX, log_path=log_path)
+                         name="hixl-master", ready=READY_PREFIX,
+                         log_path=temporary_log(self, "hixl-master-"))
         self.target = ""
 
     @property

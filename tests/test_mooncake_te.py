@@ -9,14 +9,11 @@ implementations and their return values are compared.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import importlib.util
 import json
 import os
-import selectors
-import signal
 import subprocess
 import sys
 import textwrap
@@ -25,9 +22,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import waiting
+from conftest import temporary_log
 
 from hixl.client.mooncake import TransferEngine, TransferNotify, TransferOpcode
-from hixl.processes import free_port
+from hixl.processes import DaemonProcess, free_port
 
 SIZE = 1 << 20
 START_TIMEOUT_S = 60.0
@@ -68,60 +66,35 @@ def sha(data: bytes | np.ndarray) -> str:
     return hashlib.sha256(bytes(data)).hexdigest()
 
 
-def readline(proc: subprocess.Popen[str], timeout: float = START_TIMEOUT_S) -> str:
-    """One line of the process's stdout, or fail (no hang on a stuck child)."""
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            pytest.fail(f"no output from pid {proc.pid} within {timeout} s")
-    line = proc.stdout.readline()
-    assert line, f"pid {proc.pid} exited (rc={proc.poll()}) without answering"
-    return line
-
-
-class Target:
-    """A target TransferEngine process: its segment name and buffer addresses."""
+class Target(DaemonProcess):
+    """A target TransferEngine process: its segment name and buffer addresses; stop()
+    closes its stdin (it exits), its stderr goes to a temporary log."""
 
     def __init__(self, name: str = "127.0.0.1", impl: str = "hixl", size: int = SIZE) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", TARGET, impl, name, str(size)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **ENV})
-        try:
-            info = json.loads(readline(self.proc))
-        except BaseException:
-            self.kill()
-            raise
+        super().__init__([sys.executable, "-c", TARGET, impl, name, str(size)],
+                         name=f"target TransferEngine ({impl})", ready='{"segment": ',
+                         env={**os.environ, **ENV}, log_path=temporary_log(self, "te-target-"),
+                         stop_by="stdin", grace_s=20, lines=True)
+        info = json.loads(self.wait_ready(START_TIMEOUT_S))
         self.segment: str = info["segment"]
         self.buffer: int = info["buffer"]
         self.managed: int = info["managed"]
         self.size: int = info["size"]
 
     def ask(self, line: str) -> str:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return readline(self.proc, 20).strip()
+        """Its answer to one command line (fails the test rather than hang)."""
+        assert self.send(line + "\n"), f"pid {self.pid} no longer reads its stdin"
+        answer = self.next_line(20)
+        if answer is None:
+            pytest.fail(f"no output from pid {self.pid} within 20 s")
+        assert answer, f"pid {self.pid} exited (rc={self.proc.poll()}) without answering"
+        return answer.strip()
 
     def sha(self, addr: int, length: int) -> str:
         return self.ask(f"sha {addr} {length}")
 
     def notifies(self) -> list[list[str]]:
         return json.loads(self.ask("notifies"))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(20)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture
