@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import waiting
-from conftest import AgentProcess, agent_command, clean_env, parse_ready
+from conftest import AgentProcess, agent_command, clean_env, parse_ready, start_agent
 
 from hixl import wire
 from hixl.client.agent_client import AgentClient, FdClient
@@ -299,11 +299,8 @@ def test_restart_on_stale_sockets_gets_new_epoch(agent_process: StartAgent) -> N
     proc.wait(timeout=10)
     assert os.path.exists(info.fd_socket)  # left behind by the dead agent
     port = engine.rsplit(":", 1)[1]
-    again = subprocess.Popen(agent_command(agent.config_path, "--grpc-port", port),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=clean_env())
+    again, line = start_agent(agent.config_path, "--grpc-port", port, log_path=agent.log_path)
     try:
-        line = again.stdout.readline()
         fields = parse_ready(line)
         assert fields["engine"] == engine and fields["fd"] == info.fd_socket
         assert int(fields["epoch"]) != info.epoch
@@ -312,10 +309,7 @@ def test_restart_on_stale_sockets_gets_new_epoch(agent_process: StartAgent) -> N
                 client.deregister(1, info.epoch)
             assert client.handshake("pytest").epoch == int(fields["epoch"])
     finally:
-        again.send_signal(signal.SIGTERM)
-        assert again.wait(timeout=20) == 0
-        again.stdout.close()
-        again.stderr.close()
+        assert again.stop(grace_s=20) == 0  # SIGTERM: a clean exit within 20 s
 
 
 def test_second_agent_on_same_port_fails(agent_process: StartAgent) -> None:
