@@ -581,17 +581,19 @@ class StoreBench(BenchRun):
                         vs_mooncake=ours["gbps"] / theirs["gbps"],
                         vs_mooncake_p50=ours["p50_gbps"] / theirs["p50_gbps"])
         if op in INTO_OPS and "skipped" not in ours:
-            copy_p50 = self._copy_p50(len(timings["hixl"][0].latencies_ns), keys * size)
+            copy_p50 = self._copy_p50(len(timings["hixl"][0].latencies_ns), keys * size,
+                                      config.batch // keys)
             ours.update(copy_p50_us=copy_p50, vs_copy_p50=ours["p50_us"] / copy_p50)
         journaled = cells.get(JOURNAL_SYSTEM)
         if journaled is not None:
             ours.update(journal_p50_us=journaled["p50_us"],
                         journal_vs_memory_p50=journaled["p50_us"] / ours["p50_us"])
 
-    def _copy_p50(self, calls: int, nbytes: int) -> float:
+    def _copy_p50(self, calls: int, nbytes: int, sources: int) -> float:
         """p50 µs of a plain memmove of `nbytes` from a mapped memfd (the kind of memory
         a holder's segment is) into dst: what a get_into of a cached key moves, without
-        the store; `calls` times."""
+        the store; `calls` times, taking `sources` source ranges in turn as the get cell
+        takes its stored keys (so both read from cache or memory alike)."""
         if self._mapped is None or self._mapped.length < nbytes:
             from hixl.memory import ShmSegment
 
@@ -601,9 +603,10 @@ class StoreBench(BenchRun):
         dst, src = int(self.dst.ctypes.data), self._mapped.addr
         latencies = []
         clock = time.perf_counter_ns
-        for _ in range(max(calls, MIN_CALLS)):
+        for call in range(max(calls, MIN_CALLS)):
+            at = src + call % max(1, sources) * nbytes
             began = clock()
-            ctypes.memmove(dst, src, nbytes)
+            ctypes.memmove(dst, at, nbytes)
             latencies.append(clock() - began)
         return float(np.percentile(latencies, 50)) / 1e3
 
@@ -708,23 +711,43 @@ class StoreBench(BenchRun):
                   thread: int = 0) -> list[Any]:
         """One get-family call; per key what came back (bytes, or a view of the calling
         thread's region of dst)."""
-        store, dst = side.store, self._region(thread, size * len(pairs))
-        keys = [k for k, _ in pairs]
-        base = int(dst.ctypes.data)
+        region = self._region(thread, size * len(pairs))
+        keys, ptrs = self._get_args(pairs, region, size)
+        return self._get_results(side, op, self._get_call(side, op, keys, ptrs, size),
+                                 region, size)
+
+    @staticmethod
+    def _get_args(pairs: list[tuple[str, int]], region: np.ndarray, size: int
+                  ) -> tuple[list[str], list[int]]:
+        """The keys of a get call and where each lands in `region`."""
+        base = int(region.ctypes.data)
+        return [k for k, _ in pairs], [base + j * size for j in range(len(pairs))]
+
+    @staticmethod
+    def _get_call(side: Side, op: str, keys: list[str], ptrs: list[int], size: int
+                  ) -> list[Any]:
+        """The store call alone (what a get cell times): the values, or per key a code."""
+        store = side.store
         if op == "get":
             return [store.get(keys[0])]
         if op == "get_batch":
             return list(store.get_batch(keys))
         if op == "get_into":
-            codes = [store.get_into(keys[0], base, size)]
-        else:
-            codes = list(store.batch_get_into(keys, [base + j * size for j in range(len(keys))],
-                                              [size] * len(keys)))
-        if any(c != size for c in codes):
-            raise CellFailure(f"{side.system} {op}({human_size(size)} x{len(keys)}) returned "
-                              f"{codes if len(codes) > 1 else codes[0]} (expected {size})"
-                              f"{_last_error(store)}")
-        return [dst[j * size:(j + 1) * size] for j in range(len(keys))]
+            return [store.get_into(keys[0], ptrs[0], size)]
+        return list(store.batch_get_into(keys, ptrs, [size] * len(keys)))
+
+    @staticmethod
+    def _get_results(side: Side, op: str, got: list[Any], region: np.ndarray, size: int
+                     ) -> list[Any]:
+        """Per key what came back: the value, or the view of `region` it was read into
+        (CellFailure unless every into-call read `size` bytes)."""
+        if op not in INTO_OPS:
+            return got
+        if any(c != size for c in got):
+            raise CellFailure(f"{side.system} {op}({human_size(size)} x{len(got)}) returned "
+                              f"{got if len(got) > 1 else got[0]} (expected {size})"
+                              f"{_last_error(side.store)}")
+        return [region[j * size:(j + 1) * size] for j in range(len(got))]
 
     def _check(self, side: Side, op: str, pairs: list[tuple[str, int]], size: int,
                results: list[Any]) -> None:
@@ -866,14 +889,23 @@ class StoreBench(BenchRun):
         keys = self.config.keys_per_call(op)
         calls = self.config.calls_for(keys * size)
 
-        def call(index: int, thread: int) -> Callable[[], None]:
-            pairs = stored if keys > 1 else [stored[index % len(stored)]]
-            results = self._call_get(side, op, pairs, size, thread)
-            return lambda: self._check(side, op, pairs, size, results)
+        prepared: dict[int, tuple[Any, ...]] = {}
 
-        def zero(_: int, thread: int) -> None:  # a read that wrote nothing fails its check
-            self._region(thread, keys * size)[:] = 0
-        return self._timed(WARMUP_CALLS + calls, call, zero if op in INTO_OPS else None)
+        def prepare(index: int, thread: int) -> None:
+            """Untimed: the call's keys and destinations (zeroed: a read that wrote
+            nothing fails its check)."""
+            pairs = stored if keys > 1 else [stored[index % len(stored)]]
+            region = self._region(thread, keys * size)
+            if op in INTO_OPS:
+                region[:] = 0
+            prepared[thread] = (pairs, region, *self._get_args(pairs, region, size))
+
+        def call(_: int, thread: int) -> Callable[[], None]:
+            pairs, region, names, ptrs = prepared[thread]
+            got = self._get_call(side, op, names, ptrs, size)
+            return lambda: self._check(side, op, pairs, size,
+                                       self._get_results(side, op, got, region, size))
+        return self._timed(WARMUP_CALLS + calls, call, prepare)
 
 
 # ---------------------------------------------------------------- statistics and targets
