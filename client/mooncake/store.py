@@ -323,6 +323,12 @@ class ReplicateConfig:
             prefer_alloc_in_same_node=bool(self.prefer_alloc_in_same_node))
 
 
+#: the config of a put given none (never handed out, never changed) and what the master
+#: is sent for it while no segment is suspect: built once, not per put
+_DEFAULT_CONFIG = ReplicateConfig()
+_DEFAULT_MASTER_CONFIG = _DEFAULT_CONFIG.to_master()
+
+
 class BufferHandle(bytearray):
     """A value read by get_buffer(): buffer protocol, plus Mooncake's `.ptr()` / `.size()`.
 
@@ -1292,7 +1298,7 @@ class MooncakeDistributedStore:
 
     def _config(self, config: Any) -> ReplicateConfig:
         if config is None:
-            return ReplicateConfig()
+            return _DEFAULT_CONFIG
         if isinstance(config, ReplicateConfig):
             return config
         try:  # Mooncake's own ReplicateConfig, or anything shaped like it
@@ -1306,6 +1312,8 @@ class MooncakeDistributedStore:
 
     def _master_config(self, config: ReplicateConfig, retry: bool) -> ReplicaConfig:
         """With suspects (segments whose transfers just failed), prefer everyone else."""
+        if config is _DEFAULT_CONFIG and not self._suspects:  # the usual put: made once
+            return _DEFAULT_MASTER_CONFIG
         now = time.monotonic()
         with self._lock:
             for engine, until in list(self._suspects.items()):
