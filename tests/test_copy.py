@@ -126,7 +126,7 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     (537, 4096),                      # one layer of 4 KiB pages: numpy's small-page path
     (7, 4096),                        # too few for it
     (3, PARALLEL_COPY_MIN),           # split over threads, few moves
-    (300, 64 << 10),                  # split over threads, cut at move boundaries
+    (260, 64 << 10),                  # split over threads (up to 4), cut at move boundaries
 ])
 def test_copy_arrays_copies_every_byte(copy_path: str, count: int, size: int) -> None:
     """Scattered pages (shuffled order, unaligned destination) land where they belong and
@@ -142,10 +142,9 @@ def test_copy_arrays_copies_every_byte(copy_path: str, count: int, size: int) ->
         srcs = _addr(src) + np.arange(count, dtype=np.int64) * size
         lengths = np.full(count, size, dtype=np.int64)
         copy_arrays(dsts, srcs, lengths)
-        for page, slot in enumerate(order[:50].tolist()):
+        for page, slot in enumerate(order.tolist()):  # every page, where it belongs
             at = 4097 + slot * size
-            assert np.array_equal(dst[at:at + size], src[page * size:(page + 1) * size])
-        assert np.array_equal(np.sort(dst[4097:4097 + count * size]), np.sort(src))
+            assert np.array_equal(dst[at:at + size], src[page * size:(page + 1) * size]), page
         assert (dst[:4097] == 0xAB).all() and (dst[4097 + count * size:] == 0xAB).all()
         del dst
     finally:

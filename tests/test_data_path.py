@@ -31,6 +31,9 @@ from hixl.types import MemType, Perm, SegmentInfo, TransferOp
 EPOCH = 5
 SEG_SIZE = 1 << 20
 FRAME = 64 << 10  # a small frame limit so splitting is exercised without 64 MiB buffers
+#: the deadline of ops against a server that never answers in time (any deadline passes
+#: there; a short one keeps these dozens of cases quick)
+STALL_DEADLINE_S = 0.15
 
 
 class Served:
@@ -565,10 +568,10 @@ def test_deadline_passes_while_server_stalls(served: Served, tmp_path: Path, kin
     try:
         for op in TransferOp:
             with pytest.raises(errors.TransferTimeout, match=re.escape(address)) as exc:
-                transport.transfer(op, items, time.monotonic() + 0.3)
+                transport.transfer(op, items, time.monotonic() + STALL_DEADLINE_S)
             assert exc.value.failed == [2, 5, 9]
         with pytest.raises(errors.TransferTimeout, match=re.escape(address)):
-            transport.ping(time.monotonic() + 0.3)
+            transport.ping(time.monotonic() + STALL_DEADLINE_S)
     finally:
         transport.close()
         cleanup()
@@ -588,7 +591,7 @@ def test_single_op_deadline_passes_while_server_stalls(served: Served, tmp_path:
             for size in (8, 1 << 16):
                 with pytest.raises(errors.TransferTimeout, match=re.escape(address)) as exc:
                     transport.transfer(op, [Item(7, local.addr, info, info.base, size)],
-                                       time.monotonic() + 0.3)
+                                       time.monotonic() + STALL_DEADLINE_S)
                 assert exc.value.failed == [7]
     finally:
         transport.close()
