@@ -79,10 +79,14 @@ class EngineView:
         return [segment for _, _, segment in self.table]
 
 
+#: a table's calls to the registry, and the longest wait for its first answer
+#: (GlobalTable.require), when the caller names none
+DEFAULT_TIMEOUT_S = 5.0
+
 class GlobalTable:
     """The registry's table, mirrored in this process by a watch stream."""
 
-    def __init__(self, registry: str | Sequence[str], *, timeout: float = 5.0,
+    def __init__(self, registry: str | Sequence[str], *, timeout: float | None = None,
                  backoff_max: float = BACKOFF_MAX_S,
                  cluster_token: str | bytes | None = None, tls: TlsSetting = None) -> None:
         """`registry`: "host:port", or every master of the cluster ("h1:p1,h2:p2" or a
@@ -90,6 +94,7 @@ class GlobalTable:
         names) when its stream breaks. `cluster_token`: proves this watcher to a registry
         that requires one; `tls`: how to dial it (hixl.tls: ClientTLS, False for
         plaintext, None: HIXL_TLS_*)."""
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         if not timeout > 0 or not backoff_max > 0:
             raise ParamInvalid(f"timeout and backoff_max must be positive, got {timeout}, "
                                f"{backoff_max}")

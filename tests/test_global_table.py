@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from hixl import Engine, NotConnected, OutOfRange, PeerUnavailable, StaleEpoch
+from hixl.client import global_table
 from hixl.client.agent_client import AgentClient
 from hixl.client.global_table import GlobalTable
 from hixl.client.registry_bench import MasterProcess
@@ -332,9 +333,11 @@ def test_an_unreachable_registry_never_blocks_the_caller() -> None:
         table.close()
 
 
-def test_engines_before_the_registry_ever_answered_raises_with_the_reason() -> None:
+def test_engines_before_the_registry_ever_answered_raises_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """An empty table is not an empty cluster: with no master at the address, engines()
     raises PeerUnavailable naming the registry and why (not `{}` and an INFO line)."""
+    monkeypatch.setattr(global_table, "DEFAULT_TIMEOUT_S", 1.0)  # the bounded wait, shorter
     registry = f"127.0.0.1:{free_port()}"
     with Engine("127.0.0.1", registry=registry) as engine:
         with pytest.raises(PeerUnavailable) as caught:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hixl.errors import ConfigError
+from hixl.server import store as store_module
 from hixl.server.metadata import Journal, read_journal
 from hixl.server.store import (
     ALIGNMENT,
@@ -458,10 +459,12 @@ def test_remove_by_regex_and_remove_all(store: ObjectStore, clock: Clock) -> Non
 
 
 
-def test_a_backtracking_regex_is_refused_and_changes_nothing(store: ObjectStore) -> None:
+def test_a_backtracking_regex_is_refused_and_changes_nothing(
+        store: ObjectStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client's pattern that backtracks exponentially on a stored key would freeze the
     master (`re` holds the GIL for the whole match): it is cut off after REGEX_BUDGET_S
     with INVALID_PARAMS naming the pattern, and no key is removed."""
+    monkeypatch.setattr(store_module, "REGEX_BUDGET_S", 0.2)  # never matches: any budget
     store.mount_segment("owner", seg("a"))
     keys = ["a" * 3000 + "!", "plain", "model_7"]
     for key in keys:
