@@ -83,6 +83,7 @@ class EngineView:
 #: (GlobalTable.require), when the caller names none
 DEFAULT_TIMEOUT_S = 5.0
 
+
 class GlobalTable:
     """The registry's table, mirrored in this process by a watch stream."""
 

@@ -594,7 +594,7 @@ class StoreBench(BenchRun):
         a holder's segment is) into dst: what a get_into of a cached key moves, without
         the store; `calls` times, taking `sources` source ranges in turn as the get cell
         takes its stored keys (so both read from cache or memory alike)."""
-        if self._mapped is None or self._mapped.length < nbytes:
+        if self._mapped is None:  # batch x the largest size: every cell's bytes
             from hixl.memory import ShmSegment
 
             self._mapped = ShmSegment(self.config.batch * max(self.config.sizes))
@@ -767,25 +767,24 @@ class StoreBench(BenchRun):
         run's time is then the wall time until the last finished). `call` may return a
         check, run after its call's time was taken; `prepare(index, thread)` runs
         before it, untimed."""
-        for index in range(min(WARMUP_CALLS, count)):
-            if prepare is not None:
-                prepare(index, 0)
-            check = call(index, 0)
-            if check is not None:
-                check()
-        threads = self.config.concurrency
-        latencies: list[list[int]] = [[] for _ in range(threads)]
         clock = time.perf_counter_ns
 
-        def work(thread: int) -> None:
-            for index in range(WARMUP_CALLS + thread, count, threads):
+        def calls(thread: int, indexes: range, timed: list[int] | None) -> None:
+            for index in indexes:
                 if prepare is not None:
                     prepare(index, thread)
                 began = clock()
                 check = call(index, thread)
-                latencies[thread].append(clock() - began)
+                if timed is not None:
+                    timed.append(clock() - began)
                 if check is not None:
                     check()
+        calls(0, range(min(WARMUP_CALLS, count)), None)
+        threads = self.config.concurrency
+        latencies: list[list[int]] = [[] for _ in range(threads)]
+
+        def work(thread: int) -> None:
+            calls(thread, range(WARMUP_CALLS + thread, count, threads), latencies[thread])
         if threads == 1:
             work(0)
             return Timing(latencies[0], sum(latencies[0]) / 1e9)

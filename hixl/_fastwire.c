@@ -454,18 +454,12 @@ static int int64_buffer(PyObject *obj, Py_buffer *b, const char *what) {
 static PyObject *copy_runs(PyObject *self, PyObject *args) {
     PyObject *od, *os, *ol;
     if (!PyArg_ParseTuple(args, "OOO", &od, &os, &ol)) return NULL;
-    Py_buffer d, s, l;
-    if (int64_buffer(od, &d, "dst")) return NULL;
-    if (int64_buffer(os, &s, "src")) {
-        PyBuffer_Release(&d);
-        return NULL;
-    }
-    if (int64_buffer(ol, &l, "lengths")) {
-        PyBuffer_Release(&d);
-        PyBuffer_Release(&s);
-        return NULL;
-    }
+    /* a buffer not (or no longer) held has obj NULL: PyBuffer_Release skips it */
+    Py_buffer d = {0}, s = {0}, l = {0};
     PyObject *result = NULL;
+    if (int64_buffer(od, &d, "dst") || int64_buffer(os, &s, "src") ||
+        int64_buffer(ol, &l, "lengths"))
+        goto done;
     Py_ssize_t n = l.len / 8;
     const int64_t *dp = d.buf, *sp = s.buf, *lp = l.buf;
     if (d.len != l.len || s.len != l.len) {

@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import starmap
@@ -184,6 +184,11 @@ def _run_moves(moves: Sequence[Move]) -> None:
     deque(starmap(_memmove, moves), maxlen=0)
 
 
+def _run_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
+    """_run_moves for moves given as arrays (copy_runs' work where it is not built)."""
+    _run_moves(array_moves(dst, src, lengths))
+
+
 def array_moves(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> list[Move]:
     """(dst, src, length) moves from three parallel integer arrays (for copy_moves)."""
     return list(zip(dst.tolist(), src.tolist(), lengths.tolist(), strict=True))
@@ -247,11 +252,9 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
         total = int(lengths.sum())
     shares = min(COPY_THREADS, total // _COPY_PIECE_MIN) if total >= PARALLEL_COPY_MIN and \
         total >= PARALLEL_MOVE_MIN * lengths.size else 1
+    run = fast or _run_arrays  # one share's moves
     if shares <= 1:
-        if fast is not None:
-            fast(dst, src, lengths)
-        else:
-            _run_moves(array_moves(dst, src, lengths))
+        run(dst, src, lengths)
         return
     if lengths.size < shares * _MOVES_PER_SHARE:
         copy_moves(array_moves(dst, src, lengths), total)
@@ -259,18 +262,12 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
     ends = np.cumsum(lengths)
     inner = np.searchsorted(ends, np.arange(1, shares) * (total // shares)) + 1
     cuts = [0, *np.minimum(inner, lengths.size).tolist(), lengths.size]
-    if fast is not None:
-        parts: list[Any] = [(dst[a:b], src[a:b], lengths[a:b])
-                            for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
-        run: Callable[[Any], None] = lambda part: fast(*part)  # noqa: E731
-    else:
-        parts = [array_moves(dst[a:b], src[a:b], lengths[a:b])
-                 for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
-        run = _run_moves
+    parts = [(dst[a:b], src[a:b], lengths[a:b])
+             for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
     pool = _pool()
-    futures: list[Future[None]] = [pool.submit(run, part) for part in parts[1:]]
+    futures: list[Future[None]] = [pool.submit(run, *part) for part in parts[1:]]
     try:
-        run(parts[0])
+        run(*parts[0])
     finally:
         for future in futures:
             future.result()

@@ -62,7 +62,6 @@ import random
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -901,8 +900,9 @@ class ReadGate:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
+        #: key -> reads (removals) of it in progress; a key with none is absent
         self._reading: dict[str, int] = {}
-        self._removing: Counter[str] = Counter()
+        self._removing: dict[str, int] = {}
         self._waiting = 0  # removals waiting for reads to leave (only they need a notify)
 
     def enter(self, names: list[str]) -> None:
@@ -910,20 +910,12 @@ class ReadGate:
         progress. Pair with `leave` (reading() does both)."""
         with self._cond:
             if self._removing:
-                self._cond.wait_for(lambda: not any(self._removing[k] for k in names))
-            reading = self._reading
-            for name in names:
-                reading[name] = reading.get(name, 0) + 1
+                self._cond.wait_for(lambda: not any(k in self._removing for k in names))
+            _count_in(self._reading, names)
 
     def leave(self, names: list[str]) -> None:
         with self._cond:
-            reading = self._reading
-            for name in names:
-                left = reading[name] - 1
-                if left:
-                    reading[name] = left
-                else:
-                    del reading[name]
+            _count_out(self._reading, names)
             if self._waiting:
                 self._cond.notify_all()
 
@@ -948,16 +940,27 @@ class ReadGate:
                                            timeout=wait_s)
             finally:
                 self._waiting -= 1
-            self._removing.update(names)
+            _count_in(self._removing, names)
         try:
             yield idle
         finally:
             with self._cond:
-                self._removing.subtract(names)
-                for name in names:
-                    if self._removing[name] <= 0:
-                        del self._removing[name]
+                _count_out(self._removing, names)
                 self._cond.notify_all()
+
+
+def _count_in(counts: dict[str, int], names: list[str]) -> None:
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+
+
+def _count_out(counts: dict[str, int], names: list[str]) -> None:
+    for name in names:
+        left = counts[name] - 1
+        if left:
+            counts[name] = left
+        else:
+            del counts[name]
 
 
 # ---------------------------------------------------------------------------- reservations

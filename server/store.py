@@ -190,10 +190,10 @@ def _refusal(pattern: str, exc: Exception) -> str:
     return str(exc) if isinstance(exc, _RegexRefused) else f"bad regex {_shown(pattern)}: {exc}"
 
 
-def _matching(pattern: Any, keys: Iterable[str], budget: float | None = None) -> list[str]:
-    """The keys `pattern` finds a match in (`search`), within `budget` seconds in all
-    (default REGEX_BUDGET_S, read at the call)."""
-    deadline = time.monotonic() + (REGEX_BUDGET_S if budget is None else budget)
+def _matching(pattern: Any, keys: Iterable[str]) -> list[str]:
+    """The keys `pattern` finds a match in (`search`), within REGEX_BUDGET_S in all (read
+    at the call)."""
+    deadline = time.monotonic() + REGEX_BUDGET_S
     found = []
     for key in keys:
         left = deadline - time.monotonic()

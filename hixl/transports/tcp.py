@@ -143,8 +143,8 @@ def _merge(positions: list[int], requests: list[tuple[int, int, int, int]],
     deregistered meanwhile) fails every op of the frame."""
     groups: list[tuple[int, int]] = []
     start = 0
-    segment, epoch, end, size = requests[0][0], requests[0][1], sum(requests[0][2:]), \
-        requests[0][3]
+    segment, epoch, remote, size = requests[0]
+    end = remote + size
     for index in range(1, len(requests)):
         seg, ep, remote, length = requests[index]
         if (remote == end and seg == segment and ep == epoch and size + length <= limit
