@@ -1118,10 +1118,16 @@ class ShmemContext:
 
     def _check_alive(self, waiting: Callable[[], str]) -> None:
         """PeerUnavailable if a PE's engine or heap left the global table (or the engine
-        restarted) without finalize: one dict read and one bisect per PE."""
-        departed = self._words(self._departed_at, self.n_pes)
+        restarted) without finalize: one dict read and one bisect per PE.
+
+        Its departure word is read only after it is seen gone: a PE writes the word before
+        it leaves, so a PE that finalized is never taken for dead. (Read before, the word
+        could still be 0 while the PE then finalized and left before the table was read.)"""
         for pe, (engine, _, _) in self._peers.items():
-            if pe != self.my_pe and not departed[pe] and self._gone(pe):
+            if pe == self.my_pe or not self._gone(pe):
+                continue
+            _fence()
+            if self._left_after(pe) is None:
                 raise PeerUnavailable(
                     f"PE {pe} ({engine}) is gone: the registry {self.bootstrap} no longer lists "
                     f"it or its heap (it died or lost its lease) while {waiting()}",
