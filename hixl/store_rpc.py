@@ -11,7 +11,7 @@ front ends run the same code behind them (`hixl.server.store_service.StoreCalls`
 gRPC stays the canonical API: the master advertises the endpoint's port in its
 Heartbeat and MountSegment replies (`fast_port`), and `MasterClient` takes this path
 when it knows one and falls back to gRPC when the endpoint cannot be reached. Failure
-contract, the same as gRPC's: every call has a deadline (socket timeouts); a request
+contract, the same as gRPC's: every call has a deadline (kernel socket timeouts); a request
 that may have reached the master is never sent twice, and a call whose connection
 breaks after the request was sent fails with MasterUnavailable (the store's RPC_FAIL);
 a standby master's NOT_LEADER reply (the call was not applied) sends the caller to the
@@ -26,6 +26,7 @@ import itertools
 import random
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -62,6 +63,9 @@ MESSAGES: dict[str, tuple[Any, Any]] = {
 CONNECT_TIMEOUT_S = 0.5
 #: after the endpoint could not be reached: gRPC only for this long (doubling to the max)
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 10.0
+#: a call's kernel timeouts are set again only when they would outlast its deadline by
+#: more than this (a fraction of the time left, plus seconds): at most this late it ends
+ARM_SLACK, ARM_SLACK_S = 1.02, 0.001
 #: connections kept open per client for the next calls (more are opened by concurrent callers)
 MAX_IDLE = 4
 _RECEIVE = 64 << 10
@@ -89,6 +93,7 @@ class CallConnection:
         self._buffer = bytearray(_RECEIVE)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        self._armed = 0.0  # the kernel timeouts set on the socket now (s; 0: none yet)
 
     @classmethod
     def open(cls, host: str, port: int, *, token: bytes | None, identity: str,
@@ -101,6 +106,7 @@ class CallConnection:
             raise TimeoutError("no time left to connect")
         sock = socket.create_connection((host, port), timeout=min(left, CONNECT_TIMEOUT_S))
         try:
+            sock.settimeout(None)  # blocking, bounded by kernel timeouts: see _arm
             tune_socket(sock)
             connection = cls(sock, f"{host}:{port}")
             connection._handshake(token, identity.encode("utf-8")[:wire.MAX_HELLO], deadline)
@@ -137,11 +143,31 @@ class CallConnection:
         return bytes(self._reply(deadline)[1])
 
     def _send(self, data: bytes, deadline: float) -> None:
+        self._arm(deadline)
+        try:
+            self.sock.sendall(data)
+        except BlockingIOError:  # SO_SNDTIMEO: the master stopped reading
+            raise TimeoutError("the master took no request bytes before the call's "
+                               "deadline") from None
+
+    def _arm(self, deadline: float) -> None:
+        """Bound the blocking socket's sends and receives by the call's deadline.
+
+        The socket is blocking with kernel timeouts (SO_SNDTIMEO / SO_RCVTIMEO), so a
+        call costs its send and its receive and no poll() around each (Python's own
+        socket timeouts add a poll and an ioctl per operation). They are set again only
+        when the deadline is nearer than the timeout set by more than ARM_SLACK (so calls
+        with the usual timeout set nothing): a call ends at most that late. A timeout
+        set shorter than the deadline ends a wait early; _receive then arms again."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the call's deadline passed")
-        self.sock.settimeout(left)
-        self.sock.sendall(data)
+        if self._armed > left * ARM_SLACK + ARM_SLACK_S or self._armed == 0.0:
+            seconds = int(left)
+            timeval = struct.pack("ll", seconds, int((left - seconds) * 1e6) or 1)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            self._armed = left
 
     def _reply(self, deadline: float) -> tuple[wire.Header, memoryview]:
         """The next reply's header and payload (error replies raise)."""
@@ -178,14 +204,18 @@ class CallConnection:
         return header, payload
 
     def _receive(self, into: memoryview, deadline: float) -> int:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no reply before the call's deadline")
-        self.sock.settimeout(left)
-        count = self.sock.recv_into(into)
-        if not count:
-            raise ConnectionResetError("the master closed the connection")
-        return count
+        while True:
+            self._arm(deadline)
+            try:
+                count = self.sock.recv_into(into)
+            except BlockingIOError:  # SO_RCVTIMEO: the deadline, or a timeout set shorter
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("no reply before the call's deadline") from None
+                self._armed = 0.0
+                continue
+            if not count:
+                raise ConnectionResetError("the master closed the connection")
+            return count
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -36,7 +36,14 @@ from hixl.store_client import (
     StoreSegment,
 )
 from hixl.store_codes import ErrorCode
-from hixl.store_rpc import MESSAGES, METHODS, CallConnection, CallFailed, FastPath
+from hixl.store_rpc import (
+    MESSAGES,
+    METHOD_NUMBERS,
+    METHODS,
+    CallConnection,
+    CallFailed,
+    FastPath,
+)
 from hixl.v1 import store_pb2
 from hixl.wire import Header, Op, Reason
 
@@ -211,6 +218,81 @@ def test_the_method_table_is_the_master_services() -> None:
         assert method.input_type.full_name == request.DESCRIPTOR.full_name, name
         assert method.output_type.full_name == reply.DESCRIPTOR.full_name, name
     assert set(METHODS.values()) == set(MESSAGES)
+
+
+class SlowEndpoint:
+    """An in-process call endpoint on a real socket, for one connection: it completes the
+    handshake, then answers its n-th CALL after `delays[n]` seconds (a missing entry:
+    never) with an empty CodesReply."""
+
+    def __init__(self, *delays: float) -> None:
+        self.delays = list(delays)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        sock, _ = self.listener.accept()
+        server = wire.CallServerProtocol(METHODS)
+        with sock:
+            while True:
+                header = sock.recv(H, socket.MSG_WAITALL)
+                if len(header) < H:
+                    return
+                action = server.on_header(header)
+                body = sock.recv(action.count, socket.MSG_WAITALL) if action.count else b""
+                if isinstance(action, wire.ReadHello):
+                    reply = server.on_hello(action.request_id, body)
+                    assert isinstance(reply, wire.Send)
+                    sock.sendall(reply.reply)
+                    continue
+                assert isinstance(action, wire.ReadCall)
+                delay = self.delays.pop(0) if self.delays else None
+                if self.stop.wait(delay):
+                    return
+                sock.sendall(wire.call_reply(action.request_id, 0))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+        self.thread.join(DEADLINE_S)
+
+
+def call_exist_key(connection: CallConnection, deadline: float) -> bytes:
+    return connection.call(METHOD_NUMBERS["ExistKey"], b"rid",
+                           store_pb2.KeysRequest(keys=["k"]).SerializeToString(), deadline)
+
+
+def test_a_call_nearer_its_deadline_than_the_socket_timeout_ends_at_its_deadline() -> None:
+    """The connection's kernel timeout was set for a long deadline; a call with a short
+    one sets it again and fails at its own deadline, not the long one."""
+    endpoint = SlowEndpoint()  # never answers
+    try:
+        connection = CallConnection.open("127.0.0.1", endpoint.port, token=None,
+                                         identity="t", deadline=time.monotonic() + DEADLINE_S)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError, match="deadline"):
+            call_exist_key(connection, began + 0.3)
+        assert time.monotonic() - began < DEADLINE_S / 2  # not the connection's long timeout
+        connection.close()
+    finally:
+        endpoint.close()
+
+
+def test_a_socket_timeout_shorter_than_the_deadline_does_not_end_the_call() -> None:
+    """A call with a short deadline leaves a short kernel timeout on the connection; the
+    next call, with a long deadline, outwaits it and gets its late reply."""
+    endpoint = SlowEndpoint(0.0, 1.5)
+    try:
+        connection = CallConnection.open("127.0.0.1", endpoint.port, token=None,
+                                         identity="t", deadline=time.monotonic() + DEADLINE_S)
+        assert call_exist_key(connection, time.monotonic() + 1.0) == b""
+        assert call_exist_key(connection, time.monotonic() + DEADLINE_S) == b""
+        connection.close()
+    finally:
+        endpoint.close()
 
 
 def test_the_clients_back_off_asks_once_and_never_hammers_a_dead_port() -> None:
