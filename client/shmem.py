@@ -141,7 +141,7 @@ from hixl.types import TransferOp, TransferOpDesc
 
 log = logging.getLogger("hixl.shmem")
 
-# set by `hixl shmem-run` (hixl.client.shmem_run) for every PE it starts
+# set by `hixl shmem-run` (hixl.tools.shmem_run) for every PE it starts
 PE_ENV, N_PES_ENV, BOOTSTRAP_ENV = "HIXL_SHMEM_PE", "HIXL_SHMEM_N_PES", "HIXL_SHMEM_BOOTSTRAP"
 JOB_ENV = "HIXL_SHMEM_JOB"  # the job id when init() gets none and bootstrap names none
 DEFAULT_JOB = "default"

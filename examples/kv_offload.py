@@ -9,7 +9,7 @@ PE 0 plays the inference process: its "device" KV cache is `layers` x `blocks` p
 is sharded by block id) is the host pool. Every page's bytes are a function of (layer,
 block), so each side checks what it received without asking the other.
 Add --tcp to move the bytes over TCP even on one node (same-node PEs otherwise map each
-other's memory). The scenario's parts live in hixl.client.kv_offload.
+other's memory). The scenario's parts live in hixl.tools.kv_offload.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import os
 import sys
 
 import hixl.shmem as shmem
-from hixl.client.kv_offload import INFERENCE_PE, InferenceSide, KvLayout, KvOffloadJob, PoolSide
 from hixl.errors import HixlError
+from hixl.tools.kv_offload import INFERENCE_PE, InferenceSide, KvLayout, KvOffloadJob, PoolSide
 
 MIB = 1 << 20
 
@@ -79,7 +79,7 @@ def main() -> int:
     layout = KvLayout(args.layers, args.blocks, args.block_kib << 10, pool_pes=n_pes - 1)
     try:
         # every PE's heap must hold one pool shard (PE 0's copy is unused: see
-        # hixl.client.kv_offload); leaving the `with` finalizes (no barrier on an error)
+        # hixl.tools.kv_offload); leaving the `with` finalizes (no barrier on an error)
         with shmem.init(heap_size=layout.heap_bytes, local_paths=not args.tcp) as ctx:
             job = KvOffloadJob(ctx, layout)  # collective: the pool tensor and signals
             if ctx.my_pe == INFERENCE_PE:

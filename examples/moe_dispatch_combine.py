@@ -8,7 +8,7 @@ n_pes * experts_per_pe experts. Dispatch sends each (token, k) row to the PE tha
 expert — one put per destination PE, then a signal; that PE applies the expert; combine
 sends every result back, and the token's owner sums its K results with the routing
 weights. The output must equal, bit for bit, what a single process computes with the
-same operations (hixl.client.moe.reference_output); it is also compared with a float64
+same operations (hixl.tools.moe.reference_output); it is also compared with a float64
 evaluation (within 1e-5 for float32, 1e-2 for float16: numpy has no bfloat16).
 """
 
@@ -20,8 +20,8 @@ import os
 import sys
 
 import hixl.shmem as shmem
-from hixl.client import moe
 from hixl.errors import HixlError
+from hixl.tools import moe
 
 
 def main() -> int:

@@ -51,16 +51,16 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness is a dev tool, ke
 
 from etcd_cluster import EtcdCluster, etcd_missing  # noqa: E402  (tests/etcd_cluster.py)
 
-from hixl.client.bench import format_table  # noqa: E402
-from hixl.client.cli import emit_report  # noqa: E402
 from hixl.client.mooncake import MooncakeDistributedStore  # noqa: E402
-from hixl.client.registry_bench import MasterProcess  # noqa: E402
-from hixl.client.store_bench import HolderProcess  # noqa: E402
 from hixl.etcd import EtcdClient, Leader  # noqa: E402
 from hixl.processes import DaemonProcess, ProcessNotReady  # noqa: E402
 from hixl.server.leadership import ELECTION_NAME  # noqa: E402
 from hixl.store_client import MasterClient  # noqa: E402
 from hixl.store_codes import ErrorCode  # noqa: E402
+from hixl.tools.bench import format_table  # noqa: E402
+from hixl.tools.cli import emit_report  # noqa: E402
+from hixl.tools.registry_bench import MasterProcess  # noqa: E402
+from hixl.tools.store_bench import HolderProcess  # noqa: E402
 
 MiB = 1 << 20
 WAIT_S = 60.0        # the most one switch may take before the bench gives up

@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness is a dev tool, ke
 
 import netns  # noqa: E402  (tests/netns.py)
 
-from hixl.client import bench, cli, store_bench  # noqa: E402
 from hixl.processes import DaemonProcess, ProcessNotReady  # noqa: E402
+from hixl.tools import bench, cli, store_bench  # noqa: E402
 
 RAW_PORT = 50170
 STORE_MASTER_PORT = 50171  # host B's hixl-master
@@ -74,7 +74,7 @@ def _mooncake_wanted(config: bench.BenchConfig) -> str | None:
     """Why Mooncake is left out, or None to start a target on host B."""
     if config.mooncake == "off":
         return "off"
-    from hixl.client import mooncake_baseline
+    from hixl.tools import mooncake_baseline
 
     return mooncake_baseline.unavailable_reason()
 
@@ -119,20 +119,20 @@ def run(bench_args: list[str], keep_logs: bool, ceiling_seconds: int = IPERF_SEC
         a, b = cluster.hosts
         agent = cluster.start_agent(b, {"pool_max_bytes": 2 * call_bytes + (64 << 20),
                                         "log_level": "WARNING"})
-        _start(b, [sys.executable, "-m", "hixl.client.bench", "--raw-server",
+        _start(b, [sys.executable, "-m", "hixl.tools.bench", "--raw-server",
                    "--tcp", f"{b.ip}:{RAW_PORT}", "--buffer", str(call_bytes)],
                bench.RAW_READY, f"raw stream server on {b}")
         extra = ["--agent", agent.engine, "--raw-peer", f"{b.ip}:{RAW_PORT}", "--local", a.ip]
         why_not = _mooncake_wanted(config)
         if why_not is None:
-            from hixl.client import mooncake_baseline as mc
+            from hixl.tools import mooncake_baseline as mc
 
             segment = mc.parse_ready(_start(b, mc.target_command(b.ip, call_bytes), mc.READY,
                                             f"Mooncake target on {b}",
                                             env={"MC_LOG_LEVEL": "ERROR"}))[0]
             extra += ["--mooncake-peer", segment]
         before = _counted((a, b))
-        result = a.run([sys.executable, "-m", "hixl.client.cli", "bench", *bench_args, *extra,
+        result = a.run([sys.executable, "-m", "hixl.tools.cli", "bench", *bench_args, *extra,
                         "--json", "-", "--no-progress"], timeout=RUN_TIMEOUT_S,
                        env={"MC_LOG_LEVEL": "ERROR"})
         after = _counted((a, b))
@@ -181,7 +181,7 @@ def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
                                                         MOONCAKE_METRICS_PORT),
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL)
-            probe = (f"import sys; from hixl.client.store_bench import wait_port; "
+            probe = (f"import sys; from hixl.tools.store_bench import wait_port; "
                      f"sys.exit(0 if wait_port({b.ip!r}, {MOONCAKE_MASTER_PORT}, "
                      f"{netns.START_TIMEOUT_S}) else 1)")
             if b.run([sys.executable, "-c", probe], timeout=netns.START_TIMEOUT_S + 30
@@ -194,7 +194,7 @@ def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
         elif why_not == "off":
             extra.append("--no-mooncake")
         before = _counted((a, b))
-        result = a.run([sys.executable, "-m", "hixl.client.cli", "bench", "store", *bench_args,
+        result = a.run([sys.executable, "-m", "hixl.tools.cli", "bench", "store", *bench_args,
                         *extra, "--json", "-", "--no-progress"], timeout=RUN_TIMEOUT_S,
                        env=quiet)
         after = _counted((a, b))

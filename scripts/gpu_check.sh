@@ -72,7 +72,7 @@ PYTHONUNBUFFERED=1 timeout 300 "$py" scripts/gpu_bench.py ${OUT:+--json "$OUT/gp
 # hixl bench's HIXL-style run (100 transfers of 8784 KiB per cell) with the local side on
 # the device: `hixl bench --hixl-style --local-memory cuda`, its report checked
 PYTHONUNBUFFERED=1 timeout 300 "$py" -c '
-from hixl.client import bench, cli
+from hixl.tools import bench, cli
 args = ["bench", "--hixl-style", "--local-memory", "cuda", "--mooncake", "off", "--no-progress"]
 report = bench.run_bench(cli.bench_config(cli.build_parser().parse_args(args)))
 print(bench.format_report(report))

@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 
 from hixl import wire
-from hixl.client.bench import AgentProcess
 from hixl.client.engine import Engine
+from hixl.tools.bench import AgentProcess
 from hixl.transports import tcp
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport

@@ -127,9 +127,9 @@ def test_data_addresses() -> None:
 
 def test_bench_and_etcd_and_grpc_targets() -> None:
     from hixl.auth import server_host_port
-    from hixl.client import bench
     from hixl.etcd import _parse_endpoint
     from hixl.store_rpc import target_host
+    from hixl.tools import bench
 
     assert bench.split_host_port("127.0.0.1:0") == ("127.0.0.1", 0)
     with pytest.raises(ValueError, match="expected HOST:PORT"):

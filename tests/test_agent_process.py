@@ -22,7 +22,6 @@ from conftest import AgentProcess, agent_command, clean_env, parse_ready, start_
 
 from hixl import wire
 from hixl.client.agent_client import AgentClient, FdClient
-from hixl.client.registry_bench import MasterProcess
 from hixl.control import error_from_rpc
 from hixl.errors import (
     HixlError,
@@ -39,6 +38,7 @@ from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.config import AgentConfig
 from hixl.server.runtime import AgentServer
+from hixl.tools.registry_bench import MasterProcess
 from hixl.types import MemType, Perm
 from hixl.v1 import agent_pb2, agent_pb2_grpc
 

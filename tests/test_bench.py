@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from hixl.client import bench, cli
+from hixl.tools import bench, cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,7 +24,7 @@ BATCHES = (1, 3)
 
 def _run(*extra: str) -> tuple[dict, str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "hixl.client.cli", "bench", "--sizes", "4K,64K",
+        [sys.executable, "-m", "hixl.tools.cli", "bench", "--sizes", "4K,64K",
          "--batch", "1,3", "--seconds", "0.05", "--warmup", "1", "--hixl-block", "64K",
          "--hixl-transfers", "4", "--json", "-", "--no-progress", *extra],
         capture_output=True, text=True, timeout=170)
@@ -33,7 +33,7 @@ def _run(*extra: str) -> tuple[dict, str]:
 
 
 def _mooncake_missing() -> str | None:
-    from hixl.client import mooncake_baseline
+    from hixl.tools import mooncake_baseline
 
     return mooncake_baseline.unavailable_reason()
 
@@ -100,7 +100,7 @@ def test_bench_json_has_every_cell_with_positive_numbers(tmp_path) -> None:
 
 def _check_plot(report: dict, plot) -> None:
     """--plot wrote a PNG, and its lines are the report's sync cells, one per series."""
-    from hixl.client.bench_plot import series
+    from hixl.tools.bench_plot import series
 
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = series(report)
@@ -133,7 +133,7 @@ def test_plot_is_refused_before_the_run(tmp_path, monkeypatch, capsys) -> None:
 def test_bench_against_a_raw_peer_started_separately() -> None:
     """--raw-peer: the raw stream server runs on its own (as on another node), TCP only."""
     server = subprocess.Popen(
-        [sys.executable, "-m", "hixl.client.bench", "--raw-server", "--tcp", "127.0.0.1:0",
+        [sys.executable, "-m", "hixl.tools.bench", "--raw-server", "--tcp", "127.0.0.1:0",
          "--buffer", str(1 << 20), "--forever"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     try:
@@ -182,7 +182,7 @@ def test_bench_measures_mooncake_side_by_side() -> None:
 
 def test_bench_without_mooncake_says_why_when_it_is_required(monkeypatch) -> None:
     """--mooncake on fails by name when the engine is missing; auto runs without it."""
-    from hixl.client import mooncake_baseline
+    from hixl.tools import mooncake_baseline
 
     monkeypatch.setattr(mooncake_baseline, "unavailable_reason",
                         lambda: "mooncake.engine does not import (test)")

@@ -17,7 +17,7 @@ import sys
 import netns
 import pytest
 
-from hixl.client import bench
+from hixl.tools import bench
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
@@ -28,7 +28,7 @@ BATCHES = (1, 2)
 
 def test_bench_between_two_hosts_reports_every_cell_and_crosses_the_link() -> None:
     netns.require()
-    from hixl.client import mooncake_baseline
+    from hixl.tools import mooncake_baseline
 
     with_mooncake = mooncake_baseline.unavailable_reason() is None
     proc = subprocess.run(

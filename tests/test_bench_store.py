@@ -18,9 +18,9 @@ import sys
 import numpy as np
 import pytest
 
-from hixl.client import cli, store_bench
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.store_bench import StoreBench, StoreBenchConfig, StoreBenchFailure, verify
+from hixl.tools import cli, store_bench
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.store_bench import StoreBench, StoreBenchConfig, StoreBenchFailure, verify
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,7 +38,7 @@ def _mooncake_missing() -> str | None:
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hixl.client.cli", *args],
+    return subprocess.run([sys.executable, "-m", "hixl.tools.cli", *args],
                           capture_output=True, text=True, timeout=220,
                           env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
 
@@ -240,7 +240,7 @@ def test_the_lmcache_workload_runs_both_systems_and_checks_every_chunk() -> None
     ratio when installed. No timing is looked at."""
     missing = _mooncake_missing()
     proc = subprocess.run(
-        [sys.executable, "-m", "hixl.client.store_bench", "--workload", "lmcache",
+        [sys.executable, "-m", "hixl.tools.store_bench", "--workload", "lmcache",
          "--sizes", "256K", "--runs", "1", "--batch", "2", "--run-bytes", "512K",
          "--json", "-"], capture_output=True, text=True, timeout=220,
         env={**os.environ, "MC_LOG_LEVEL": "ERROR"})

@@ -22,14 +22,14 @@ from conftest import AgentProcess
 
 from hixl import Engine
 from hixl.client.agent_client import AgentClient
-from hixl.client.cli import main
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.registry_bench import MasterProcess
 from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.store import ObjectStore, StoreOptions
 from hixl.store_client import KeyState, ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.tools.cli import main
+from hixl.tools.registry_bench import MasterProcess
 
 StartAgent = Callable[..., AgentProcess]
 

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from hixl.client import bench, cli
+from hixl.tools import bench, cli
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _bench(*extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "hixl.client.cli", "bench", "--paths", "fabric", "--ops",
+        [sys.executable, "-m", "hixl.tools.cli", "bench", "--paths", "fabric", "--ops",
          "write", "--modes", "sync", "--layouts", "whole", "--sizes", "4K", "--batch", "1,4",
          "--seconds", "0.02", "--warmup", "1", "--no-hixl-style", "--mooncake", "off",
          "--json", "-", "--no-progress", *extra],

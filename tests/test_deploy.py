@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 import yaml
 
-from hixl.client import cli
 from hixl.client.agent_client import AgentClient
 from hixl.errors import ConfigError
 from hixl.processes import DaemonProcess, ProcessNotReady
@@ -32,6 +31,7 @@ from hixl.server import master as master_module
 from hixl.server.config import AgentConfig, convert_key, keys_from_parser
 from hixl.server.main import build_agent_parser
 from hixl.server.master import MasterConfig, build_parser, parse_config
+from hixl.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -629,7 +629,7 @@ def test_example_master_and_agent_start_and_form_a_cluster(
         # the probes and health checks: `hixl status` on the agent (and its master), and
         # on the master alone, with the token from the environment as in the pods
         for target in (["--agent", engine], ["--master", master.line]):
-            status = subprocess.run([sys.executable, "-m", "hixl.client.cli", "status",
+            status = subprocess.run([sys.executable, "-m", "hixl.tools.cli", "status",
                                      *target, "--timeout", "5"], env=env, capture_output=True,
                                     text=True, timeout=START_DEADLINE_S)
             assert status.returncode == 0, status.stdout + status.stderr

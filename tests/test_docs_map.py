@@ -1,5 +1,5 @@
 """docs/architecture.md is a map, and the map stays true: its module table names every
-module under hixl/, server/ and client/ and no module that is gone, it stays short, and
+module under hixl/, server/, client/ and tools/ and no module that is gone, it stays short, and
 every link in the docs and the README, #anchor included, leads to a file and a heading
 that exist."""
 
@@ -12,14 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAP = ROOT / "docs" / "architecture.md"
-PACKAGES = ("hixl", "server", "client")
+PACKAGES = ("hixl", "server", "client", "tools")
 MAX_LINES = 250
 TABLE_HEADING = "## 3. Where each part lives"
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 
 
 def tree_modules() -> set[str]:
-    """Every module file the map must name: .py under the three packages, recursively,
+    """Every module file the map must name: .py under the four packages, recursively,
     but package `__init__.py` files and generated protobuf modules (`*_pb2*.py`)."""
     found = set()
     for package in PACKAGES:

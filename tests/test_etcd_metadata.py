@@ -29,7 +29,6 @@ from etcd_cluster import EtcdCluster
 from test_metadata import HISTORY, committed, fold, mount, obj, put, replica, rm, same_content
 
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.registry_bench import MasterProcess
 from hixl.errors import ConfigError, HixlError, NotConnected, ParamInvalid
 from hixl.etcd import UNAVAILABLE_ERRORS, EtcdClient, EtcdConfig, Put
 from hixl.server.etcd_metadata import (
@@ -43,6 +42,7 @@ from hixl.server.master import StoreConfig, etcd_settings, open_backend, parse_c
 from hixl.server.store import ObjectStore, StoreOptions
 from hixl.store_client import ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
 
 MiB = 1 << 20
 WAIT_S = 30.0   # the most any wait for an expected event may take (not a speed claim)

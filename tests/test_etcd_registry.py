@@ -299,7 +299,7 @@ def test_bench_registry_runs_its_master_on_etcd(cluster: EtcdCluster) -> None:
     etcd = EtcdClient({"endpoints": cluster.endpoints, "prefix": prefix})
     before = etcd.revision()
     proc = subprocess.run(
-        [sys.executable, "-m", "hixl.client.cli", "bench-registry", "--publishers", "3",
+        [sys.executable, "-m", "hixl.tools.cli", "bench-registry", "--publishers", "3",
          "--segments", "30", "--watchers", "2", "--changes", "4", "--small-segments", "6",
          "--finds", "200", "--timeout", "60", "--etcd-endpoints", ",".join(cluster.endpoints),
          "--etcd-prefix", prefix, "--json", "-"],
@@ -324,7 +324,7 @@ def test_bench_registry_runs_its_master_on_etcd(cluster: EtcdCluster) -> None:
 
 def test_bench_registry_refuses_contradictory_settings() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "hixl.client.cli", "bench-registry", "--master",
+        [sys.executable, "-m", "hixl.tools.cli", "bench-registry", "--master",
          "127.0.0.1:1", "--etcd-endpoints", "127.0.0.1:2"],
         capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0

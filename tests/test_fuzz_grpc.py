@@ -34,9 +34,9 @@ from google.protobuf import descriptor, message_factory
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hixl.client.registry_bench import MasterProcess
 from hixl.control import ERROR_KEY
 from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
 from hixl.v1 import agent_pb2, agent_pb2_grpc, store_pb2, store_pb2_grpc
 
 CALL_TIMEOUT_S = 20.0  # proves "does not hang"; nothing is timed

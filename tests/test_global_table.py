@@ -21,11 +21,11 @@ from hixl import Engine, NotConnected, OutOfRange, PeerUnavailable, StaleEpoch
 from hixl.client import global_table
 from hixl.client.agent_client import AgentClient
 from hixl.client.global_table import GlobalTable
-from hixl.client.registry_bench import MasterProcess
 from hixl.errors import AuthenticationFailed
 from hixl.processes import free_port
 from hixl.registry_client import EngineEndpoints, EngineInfo, RegistryClient
 from hixl.server.registry import SNAPSHOT_CHUNK, EventKind, Registry, RegistryEvent
+from hixl.tools.registry_bench import MasterProcess
 from hixl.types import MemType, Perm, SegmentInfo
 
 pytestmark = pytest.mark.timeout(180)
@@ -449,7 +449,7 @@ def test_membership_watchers_see_engines_come_and_go_in_order() -> None:
 def test_bench_registry_json_shape() -> None:
     """`hixl bench-registry` end to end with tiny numbers; no timing is judged."""
     proc = subprocess.run(
-        [sys.executable, "-m", "hixl.client.cli", "bench-registry", "--publishers", "3",
+        [sys.executable, "-m", "hixl.tools.cli", "bench-registry", "--publishers", "3",
          "--segments", "30", "--watchers", "2", "--changes", "4", "--small-segments", "6",
          "--finds", "200", "--timeout", "60", "--json", "-"],
         capture_output=True, text=True, timeout=150)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hixl.client.registry_bench import MasterProcess
 from hixl.server.store import MAX_REGEX_WEIGHT
 from hixl.store_client import MasterClient, ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
 
 MiB = 1 << 20
 #: what the attack grew the master by before the bound (measured: ~800 MiB); the

@@ -1,4 +1,4 @@
-"""The KV-offload scenario (hixl.client.kv_offload): the example run by the real launcher
+"""The KV-offload scenario (hixl.tools.kv_offload): the example run by the real launcher
 (`run_job`, what `hixl shmem-run` runs) with every page checked in the PEs, mapped and
 over TCP; `hixl bench kv-offload` at tiny sizes (its report's structure, never its
 timings); a pool PE killed mid-run; and the page checks themselves.
@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import waiting
 
-from hixl.client.kv_offload import KvLayout, bad_pages, fill_page, page_ok, top_k_blocks
-from hixl.client.kv_offload_bench import KvBenchConfig, add_parser
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.shmem_run import JobResult, run_job
 from hixl.errors import ParamInvalid
+from hixl.tools.kv_offload import KvLayout, bad_pages, fill_page, page_ok, top_k_blocks
+from hixl.tools.kv_offload_bench import KvBenchConfig, add_parser
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.shmem_run import JobResult, run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "kv_offload.py")
@@ -100,7 +100,7 @@ def test_the_pool_on_another_host_over_tcp(netns: Any) -> None:
     job = f"kv-hosts-{uuid.uuid4().hex[:8]}"
     steps = 4
     launchers = [cluster.hosts[1 + pe].spawn(
-        [sys.executable, "-m", "hixl.client.cli", "shmem-run", "-n", "1", "--n-pes", "2",
+        [sys.executable, "-m", "hixl.tools.cli", "shmem-run", "-n", "1", "--n-pes", "2",
          "--first-pe", str(pe), "--bootstrap", bootstrap, "--job", job, "--timeout",
          str(GIVE_UP_S), "--", *example("--layers", "3", "--blocks", "20", "--block-kib",
                                         "144", "--top-k", "4", "--steps", str(steps))],
@@ -163,7 +163,7 @@ def test_a_pool_pe_killed_mid_run_fails_the_inference_pe_with_a_typed_error(
 
 def test_bench_reports_every_case_and_verified_every_page() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "hixl.client.cli", "bench", "kv-offload", "--layers", "3",
+        [sys.executable, "-m", "hixl.tools.cli", "bench", "kv-offload", "--layers", "3",
          "--page-sizes",
          "16K,4K", "--pool", "1M", "--top-k", "4", "--steps", "3", "--runs", "2", "--json", "-"],
         capture_output=True, text=True, timeout=GIVE_UP_S * 2)

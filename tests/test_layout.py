@@ -1,8 +1,10 @@
 """Layout rules that keep the distribution honest.
 
-- Dependencies point one way (DESIGN.md §7): the core `hixl` modules import neither
-  hixl.server nor hixl.client, hixl.server does not import hixl.client, and hixl.client
-  reaches hixl.server only through one seam (an agent embedded by client/engine.py). Checked by
+- Dependencies point one way (docs/architecture.md §5: tools -> client -> core <- server):
+  the core `hixl` modules import none of hixl.server, hixl.client, hixl.tools;
+  hixl.server imports neither hixl.client nor hixl.tools; hixl.client does not import
+  hixl.tools and reaches hixl.server only through one seam (an agent embedded by
+  client/engine.py); hixl.tools never imports hixl.server. Checked by
   parsing every import statement (and constant `import_module("...")` calls) with `ast`,
   then once more at run time in a fresh interpreter.
 - Every console script in pyproject.toml resolves to a callable, every lazily re-exported
@@ -34,7 +36,7 @@ ALLOW_MISSING_MODULES = True
 
 # Source directory of each import package (pyproject.toml [tool.setuptools.package-dir]).
 SOURCE_ROOTS = {"hixl": ROOT / "hixl", "hixl.server": ROOT / "server",
-                "hixl.client": ROOT / "client"}
+                "hixl.client": ROOT / "client", "hixl.tools": ROOT / "tools"}
 
 # Not checked for the core rule: the package root re-exports hixl.client names lazily
 # (through __getattr__), and hixl/v1 is generated code.
@@ -113,26 +115,26 @@ def _require_module(module: str, why: str) -> None:
 
 # ---------------------------------------------------------------- dependency direction
 
-def test_core_imports_neither_server_nor_client() -> None:
+def test_core_imports_no_side() -> None:
     files = _python_files(ROOT / "hixl", CORE_EXEMPT)
     assert files
-    bad = _violations(files, ("hixl.server", "hixl.client"))
-    assert not bad, ("core hixl modules must not depend on hixl.server or hixl.client "
-                     "(move the shared piece into hixl/, or the code into server/ or "
-                     "client/):\n" + "\n".join(bad))
+    bad = _violations(files, ("hixl.server", "hixl.client", "hixl.tools"))
+    assert not bad, ("core hixl modules must not depend on hixl.server, hixl.client or "
+                     "hixl.tools (move the shared piece into hixl/, or the code into "
+                     "server/, client/ or tools/):\n" + "\n".join(bad))
 
 
-def test_server_does_not_import_client() -> None:
+def test_server_imports_neither_client_nor_tools() -> None:
     files = _python_files(ROOT / "server")
     assert files
-    bad = _violations(files, ("hixl.client",))
-    assert not bad, "hixl.server must not depend on hixl.client:\n" + "\n".join(bad)
+    bad = _violations(files, ("hixl.client", "hixl.tools"))
+    assert not bad, "hixl.server must not depend on hixl.client or hixl.tools:\n" + \
+        "\n".join(bad)
 
 
-#: client modules that may import hixl.server: the SDK's seam (an agent embedded in the
-#: process: Engine._start_embedded_agent, embedded_agent_config), and the soak tool, which
-#: takes hixl-master's own flag parser to build the masters it starts
-SERVER_SEAM = (ROOT / "client" / "engine.py", ROOT / "client" / "soak.py")
+#: the one client module that may import hixl.server: the SDK's seam (an agent embedded
+#: in the process: Engine._start_embedded_agent, embedded_agent_config)
+SERVER_SEAM = (ROOT / "client" / "engine.py",)
 
 
 def test_the_client_reaches_the_server_only_through_the_seam() -> None:
@@ -141,6 +143,22 @@ def test_the_client_reaches_the_server_only_through_the_seam() -> None:
     bad = _violations(files, ("hixl.server",))
     assert not bad, ("hixl.client reaches hixl.server only through client/engine.py's "
                      "embedded agent (move shared constants into hixl/):\n" + "\n".join(bad))
+
+
+def test_the_client_does_not_import_the_tools() -> None:
+    files = _python_files(ROOT / "client")
+    assert files
+    bad = _violations(files, ("hixl.tools",))
+    assert not bad, ("the SDK (hixl.client) must not depend on the command-line tools "
+                     "(move the shared piece into client/ or hixl/):\n" + "\n".join(bad))
+
+
+def test_the_tools_start_daemons_as_processes_and_never_import_the_server() -> None:
+    files = _python_files(ROOT / "tools")
+    assert files
+    bad = _violations(files, ("hixl.server",))
+    assert not bad, ("hixl.tools starts daemons by module name (hixl.processes) and must "
+                     "not import hixl.server:\n" + "\n".join(bad))
 
 
 def test_import_rules_catch_violations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,15 +182,16 @@ def test_import_rules_catch_violations(tmp_path: Path, monkeypatch: pytest.Monke
         "hixl.server"]
 
 
-def test_core_import_loads_neither_server_nor_client() -> None:
-    """At run time too: importing every core module pulls in no server or client code."""
+def test_core_import_loads_no_side() -> None:
+    """At run time too: importing every core module pulls in no server, client or tools
+    code."""
     modules = ["hixl"] + [_module_name(p)[0] for p in _python_files(ROOT / "hixl", CORE_EXEMPT)]
     code = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[:2] in (['hixl', 'server'],"
-        " ['hixl', 'client']))\n"
+        " ['hixl', 'client'], ['hixl', 'tools']))\n"
         "print(' '.join(loaded))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)

@@ -17,9 +17,9 @@ import waiting
 
 from hixl import errors, logs
 from hixl.client.agent_client import AgentClient
-from hixl.client.registry_bench import MasterProcess
 from hixl.errors import ParamInvalid, ResourceExhausted
 from hixl.registry_client import RegistryClient
+from hixl.tools.registry_bench import MasterProcess
 
 DEADLINE_S = 10.0
 REQUEST_RE = re.compile(r"\(request ([0-9a-f]{16})\)")

@@ -27,10 +27,8 @@ import waiting
 from conftest import AgentProcess
 
 from hixl import Engine, wire
-from hixl.client.cli import main
 from hixl.client.global_table import GlobalTable
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.registry_bench import MasterProcess
 from hixl.errors import ConfigError, HixlError, NotConnected, ParamInvalid
 from hixl.failover import (
     NOT_LEADER_CODE,
@@ -52,6 +50,8 @@ from hixl.store_client import (
 )
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS, CallConnection, FastPath
+from hixl.tools.cli import main
+from hixl.tools.registry_bench import MasterProcess
 from hixl.v1 import store_pb2
 
 StartAgent = Callable[..., AgentProcess]

@@ -28,12 +28,8 @@ from conftest import AgentProcess
 from etcd_cluster import EtcdCluster
 
 from hixl import Engine
-from hixl.client.admin import master_roles
 from hixl.client.agent_client import AgentClient
-from hixl.client.cli import main as cli_main
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.store_bench import HolderProcess
 from hixl.etcd import EtcdClient
 from hixl.failover import LEADER_METADATA_KEY, NOT_LEADER_CODE, NotLeader
 from hixl.registry_client import RegistryClient
@@ -43,6 +39,10 @@ from hixl.server.master import EXIT_DEPOSED
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import CallConnection
+from hixl.tools.admin import master_roles
+from hixl.tools.cli import main as cli_main
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.store_bench import HolderProcess
 from hixl.v1 import agent_pb2, agent_pb2_grpc, store_pb2, store_pb2_grpc
 
 StartAgent = Callable[..., AgentProcess]

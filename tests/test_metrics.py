@@ -28,7 +28,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hixl import wire
 from hixl.client.engine import Engine
-from hixl.client.registry_bench import MasterProcess
 from hixl.errors import (
     AuthenticationFailed,
     ConfigError,
@@ -44,6 +43,7 @@ from hixl.server.store import StoreOptions
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS
+from hixl.tools.registry_bench import MasterProcess
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport
 from hixl.types import TransferOp, TransferOpDesc

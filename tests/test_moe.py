@@ -1,4 +1,4 @@
-"""MoE dispatch/combine on hixl.shmem (hixl.client.moe): the example run as real PE
+"""MoE dispatch/combine on hixl.shmem (hixl.tools.moe): the example run as real PE
 processes by the launcher (shmem_run.run_job), compared in every PE with the
 single-process reference; the bench beside torch.distributed gloo; a PE killed in the
 middle of a dispatch.
@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hixl.client import moe, moe_bench
-from hixl.client.registry_bench import MasterProcess
 from hixl.client.shmem import BOOTSTRAP_ENV, JOB_ENV, N_PES_ENV, PE_ENV
-from hixl.client.shmem_run import run_job
 from hixl.errors import ParamInvalid
+from hixl.tools import moe, moe_bench
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.shmem_run import run_job
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "moe_dispatch_combine.py"
 GIVE_UP_S = 120.0  # only guards against a hang; never a performance bound
@@ -154,7 +154,7 @@ def test_the_metadata_check_catches_wrong_missing_and_misattributed_rows() -> No
 _DYING_PE = textwrap.dedent("""
     import json, os, signal, sys
     import hixl.shmem as shmem
-    from hixl.client import moe
+    from hixl.tools import moe
     from hixl.errors import HixlError
 
     victim, n = int(sys.argv[1]), int(os.environ["HIXL_SHMEM_N_PES"])
@@ -304,7 +304,7 @@ def test_bench_moe_flags_are_checked() -> None:
 
 def test_the_command_line_runs_the_bench() -> None:
     """`hixl bench moe` (the spelling users type) reaches the same command."""
-    done = subprocess.run([sys.executable, "-m", "hixl.client.cli", "bench", "moe", "--shapes",
+    done = subprocess.run([sys.executable, "-m", "hixl.tools.cli", "bench", "moe", "--shapes",
                            "5x24x3x2", "--iterations", "2", "--warmup", "1", "--paths",
                            "mapped", "--torch", "off", "--json", "-"],
                           capture_output=True, text=True, timeout=120)

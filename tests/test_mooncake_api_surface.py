@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from hixl.client.mooncake import MooncakeDistributedStore, ObjectDataType, ReplicateConfig
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.store_bench import mooncake_store_unavailable
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.store_bench import mooncake_store_unavailable
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 MiB = 1 << 20

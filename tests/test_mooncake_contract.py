@@ -15,8 +15,8 @@ from test_mooncake_store import master, new_store  # noqa: F401  (fixture)
 
 from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from hixl.client.mooncake import store as store_module
-from hixl.client.registry_bench import MasterProcess
 from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
 
 INVALID = int(ErrorCode.INVALID_PARAMS)
 

@@ -35,10 +35,10 @@ from hixl.client.mooncake import (
     SoftPinAction,
 )
 from hixl.client.mooncake.store import mooncake_size as parse_size
-from hixl.client.registry_bench import MasterProcess
 from hixl.processes import free_port
 from hixl.store_client import MasterClient
 from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
 
 WORKER = os.path.join(os.path.dirname(__file__), "helpers", "store_worker.py")
 MiB = 1 << 20

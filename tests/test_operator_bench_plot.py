@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hixl.client.bench_plot import plot_report
+from hixl.tools.bench_plot import plot_report
 
 KIB, MIB = 1 << 10, 1 << 20
 

@@ -15,13 +15,13 @@ import pytest
 from conftest import clean_env
 
 from hixl import __version__
-from hixl.client.shmem_run import run_job
 from hixl.processes import free_port
+from hixl.tools.shmem_run import run_job
 
 
 @pytest.mark.parametrize(("entry", "prog"), [("hixl.server.main:agent_main", "hixl-agent"),
                                              ("hixl.server.main:master_main", "hixl-master"),
-                                             ("hixl.client.cli:main", "hixl")])
+                                             ("hixl.tools.cli:main", "hixl")])
 def test_every_command_says_its_version(entry: str, prog: str) -> None:
     """Each console script of pyproject.toml, called as the script calls it."""
     module, function = entry.split(":")
@@ -82,7 +82,7 @@ def test_shmem_run_blames_the_pe_that_raised(tmp_path: Path) -> None:
 
 def test_cli_error_says_unreachable_once() -> None:
     port = free_port()
-    done = subprocess.run([sys.executable, "-m", "hixl.client.cli", "segments", "--master",
+    done = subprocess.run([sys.executable, "-m", "hixl.tools.cli", "segments", "--master",
                            f"127.0.0.1:{port}", "--timeout", "5"], capture_output=True,
                           text=True, timeout=60, env=clean_env())
     assert done.returncode != 0

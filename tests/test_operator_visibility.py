@@ -19,7 +19,7 @@ DEADLINE_S = 30.0
 
 
 def _status(agent: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hixl.client.cli", "status", "--agent", agent,
+    return subprocess.run([sys.executable, "-m", "hixl.tools.cli", "status", "--agent", agent,
                            "--timeout", "5"], capture_output=True, text=True, timeout=60,
                           env=clean_env())
 

@@ -20,9 +20,9 @@ import waiting
 
 from hixl import wire
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.store_bench import HolderProcess
 from hixl.store_rpc import METHODS
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.store_bench import HolderProcess
 
 MiB = 1 << 20
 FLOOD = 16

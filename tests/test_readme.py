@@ -18,7 +18,7 @@ def python_blocks() -> list[str]:
 
 
 def test_readme_examples_run(agent_process, tmp_path) -> None:
-    from hixl.client.registry_bench import MasterProcess
+    from hixl.tools.registry_bench import MasterProcess
 
     blocks = python_blocks()
     assert len(blocks) >= 5, "the README lost its usage examples"
@@ -48,7 +48,7 @@ def run_blocks(blocks: list[str], addresses: dict[str, str]) -> list[str]:
         argv = [sys.executable, "-c", code]
         launcher = re.search(r"hixl shmem-run -n (\d+)", block)
         if launcher:
-            argv = [sys.executable, "-m", "hixl.client.cli", "shmem-run", "-n",
+            argv = [sys.executable, "-m", "hixl.tools.cli", "shmem-run", "-n",
                     launcher.group(1), "--timeout", "100", "--", *argv]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, \

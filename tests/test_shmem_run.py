@@ -1,4 +1,4 @@
-"""`hixl shmem-run` (hixl.client.shmem_run): real PE processes, a real private hixl-master.
+"""`hixl shmem-run` (hixl.tools.shmem_run): real PE processes, a real private hixl-master.
 
 A job whose PEs all succeed exits 0 with every PE's output passed on; a PE that fails
 stops the others (no PE is left waiting on it) and its status is the job's; a job past
@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from hixl.client.shmem_run import GRACE_S, run_job
 from hixl.errors import ParamInvalid
+from hixl.tools.shmem_run import GRACE_S, run_job
 
 RING = os.path.join(os.path.dirname(__file__), "helpers", "shmem_ring.py")
 pytestmark = pytest.mark.timeout(120)
@@ -49,7 +49,7 @@ def test_a_job_runs_every_pe_with_its_number_and_one_job_id() -> None:
 
 
 def test_the_command_line_runs_a_job() -> None:
-    done = subprocess.run([sys.executable, "-m", "hixl.client.cli", "shmem-run", "-n", "2",
+    done = subprocess.run([sys.executable, "-m", "hixl.tools.cli", "shmem-run", "-n", "2",
                            "--timeout", "90", "--", sys.executable, RING],
                           capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr + done.stdout

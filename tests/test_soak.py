@@ -23,11 +23,11 @@ import pytest
 import waiting
 
 from hixl import Engine, TransferTimeout, wire
-from hixl.client import cli
 from hixl.client.agent_client import AgentClient
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.soak import LEASE_TTL_MS, OP_KINDS
 from hixl.processes import free_port
+from hixl.tools import cli
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.soak import LEASE_TTL_MS, OP_KINDS
 from hixl.types import Perm
 from hixl.wire import HEADER_SIZE, Reason, ServedSegment, ServerProtocol
 
@@ -37,7 +37,7 @@ GIVE_UP_S = 30.0   # only a guard against a hang: no assertion depends on timing
 def run_soak(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     report = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, "-m", "hixl.client.cli", "soak", *args, "--json", str(report)],
+        [sys.executable, "-m", "hixl.tools.cli", "soak", *args, "--json", str(report)],
         capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert report.exists(), f"no report (rc={done.returncode}):\n{done.stdout}\n{done.stderr}"

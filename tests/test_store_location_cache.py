@@ -17,10 +17,10 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.store_bench import HolderProcess
 from hixl.store_client import MasterClient
 from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.store_bench import HolderProcess
 
 MiB = 1 << 20
 GIVE_UP_S = 30.0   # only a guard against a hang

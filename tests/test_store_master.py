@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import waiting
 
-from hixl.client.registry_bench import MasterProcess
 from hixl.server.master import MasterConfig, StoreConfig, default_data_dir, parse_config
 from hixl.store_client import (
     ClientStatus,
@@ -29,6 +28,7 @@ from hixl.store_client import (
     StoreSegment,
 )
 from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
 
 MiB = 1 << 20
 DEADLINE_S = 20.0

@@ -21,15 +21,15 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.store_bench import (
+from hixl.server.store import ObjectStore, StoreOptions
+from hixl.store_client import MasterClient, ReadGate, StoreSegment
+from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.store_bench import (
     MooncakeMasterProcess,
     mooncake_master_binary,
     mooncake_store_unavailable,
 )
-from hixl.server.store import ObjectStore, StoreOptions
-from hixl.store_client import MasterClient, ReadGate, StoreSegment
-from hixl.store_codes import ErrorCode
 
 MiB = 1 << 20
 KiB = 1 << 10

@@ -23,12 +23,12 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.store_bench import HolderProcess
 from hixl.server.store import ObjectStore
 from hixl.server.store_service import StoreCalls
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.store_bench import HolderProcess
 
 MiB = 1 << 20
 GIVE_UP_S = 30.0   # only a guard against a hang

@@ -25,8 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hixl import errors, wire
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.registry_bench import MasterProcess
-from hixl.client.store_bench import HolderProcess
 from hixl.logs import request_context
 from hixl.processes import free_port
 from hixl.store_client import (
@@ -44,6 +42,8 @@ from hixl.store_rpc import (
     CallFailed,
     FastPath,
 )
+from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.store_bench import HolderProcess
 from hixl.v1 import store_pb2
 from hixl.wire import Header, Op, Reason
 

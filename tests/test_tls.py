@@ -24,7 +24,6 @@ import yaml
 from conftest import AgentProcess, agent_command, clean_env, master_process
 
 from hixl import Engine, auth, tls
-from hixl.client import cli
 from hixl.client.agent_client import AgentClient
 from hixl.errors import ConfigError, PeerUnavailable
 from hixl.registry_client import RegistryClient
@@ -32,6 +31,7 @@ from hixl.server.config import AgentConfig
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.tls import ClientTLS, ServerTLS
+from hixl.tools import cli
 
 TOKEN = b"tls-test-cluster-token"
 DEADLINE_S = 20.0

@@ -42,10 +42,10 @@ all threads' bytes over its wall time. `journal` adds a side, hixl on a second m
 journals every put (fsync'd) with its own holder, and each put form's p50 there is set
 against the in-memory master's (TARGET_JOURNAL).
 
-`python -m hixl.client.store_bench --holder hixl|mooncake --master HOST:PORT --host IP
+`python -m hixl.tools.store_bench --holder hixl|mooncake --master HOST:PORT --host IP
 --segment BYTES [--forever]` runs a segment holder (scripts/bench_multinode.py --store
 starts the masters and holders on another simulated host this way);
-`python -m hixl.client.store_bench --workload lmcache [--sizes 256K,1M] [--batch N]
+`python -m hixl.tools.store_bench --workload lmcache [--sizes 256K,1M] [--batch N]
 [--runs N] [--no-mooncake] [--json PATH]` runs the bench itself.
 """
 
@@ -71,7 +71,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from hixl.client.bench import (
+from hixl.processes import DaemonProcess, free_ports
+from hixl.tools.bench import (
     KIB,
     MIB,
     BenchFailure,
@@ -84,7 +85,6 @@ from hixl.client.bench import (
     local_address_towards,
     page_aligned,
 )
-from hixl.processes import DaemonProcess, free_ports
 
 DEFAULT_SIZES = (64 * KIB, 1 * MIB, 8784 * KIB)
 OPS = ("put", "get", "put_from", "get_into", "put_batch", "get_batch", "batch_put_from",
@@ -220,7 +220,7 @@ def verify(label: str, expected: np.ndarray, got: Any) -> None:
 def holder_command(system: str, master: str, host: str, segment_bytes: int,
                    forever: bool = False) -> list[str]:
     """argv of a segment holder process (see holder_main)."""
-    return [sys.executable, "-m", "hixl.client.store_bench", "--holder", system,
+    return [sys.executable, "-m", "hixl.tools.store_bench", "--holder", system,
             "--master", master, "--host", host, "--segment", str(segment_bytes),
             *(["--forever"] if forever else [])]
 
@@ -337,7 +337,7 @@ def _last_error(store: Any) -> str:
 def holder_main(argv: Sequence[str] | None = None) -> int:
     """A segment holder: a store client contributing `--segment` bytes, doing nothing else;
     serves until its stdin closes (or forever), then unmounts."""
-    parser = argparse.ArgumentParser(prog="python -m hixl.client.store_bench")
+    parser = argparse.ArgumentParser(prog="python -m hixl.tools.store_bench")
     parser.add_argument("--holder", choices=SYSTEMS, required=True)
     parser.add_argument("--master", required=True, metavar="HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="the IP peers reach it at")
@@ -398,7 +398,7 @@ class StoreBench(BenchRun):
     # ---- set-up and tear-down
 
     def _open(self) -> None:
-        from hixl.client.registry_bench import MasterProcess
+        from hixl.tools.registry_bench import MasterProcess
 
         config = self.config
         if config.master:
@@ -467,7 +467,7 @@ class StoreBench(BenchRun):
         if not mounted:
             raise StoreBenchFailure(
                 f"no segment is mounted at hixl-master {master}: start a holder there "
-                f"(`python -m hixl.client.store_bench --holder hixl --master {master} "
+                f"(`python -m hixl.tools.store_bench --holder hixl --master {master} "
                 f"--host IP --segment {self.config.segment_bytes()}`) or drop --no-holder")
         if system == "hixl":
             here = node_identity()
@@ -503,7 +503,7 @@ class StoreBench(BenchRun):
         except (CellFailure, RuntimeError, OSError) as exc:
             info["reason"] = f"set-up failed: {exc}"
             return None
-        from hixl.client.mooncake_baseline import version
+        from hixl.tools.mooncake_baseline import version
 
         info.update(measured=True, version=version(), master=master, metadata=METADATA,
                     protocol=PROTOCOL, segment=segment)
@@ -1040,11 +1040,11 @@ def _count_flag(text: str) -> int:
 
 
 def bench_main(argv: Sequence[str]) -> int:
-    """`python -m hixl.client.store_bench --workload lmcache|calls ...`: the bench itself
+    """`python -m hixl.tools.store_bench --workload lmcache|calls ...`: the bench itself
     (as `hixl bench store`), the caller-shaped workload included."""
-    from hixl.client.cli import emit_report
+    from hixl.tools.cli import emit_report
 
-    parser = argparse.ArgumentParser(prog="python -m hixl.client.store_bench")
+    parser = argparse.ArgumentParser(prog="python -m hixl.tools.store_bench")
     parser.add_argument("--workload", choices=tuple(WORKLOADS), default="calls",
                         help="every call form (calls), or LMCache's calls per KV chunk "
                              "request (lmcache)")

@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 
 from hixl.client.agent_client import AgentClient
-from hixl.client.bench import format_table
 from hixl.control import DEFAULT_GRPC_PORT, error_from_rpc, open_channel
 from hixl.errors import (
     AuthenticationFailed,
@@ -31,6 +30,7 @@ from hixl.sizes import format_size
 from hixl.store_client import KeyInfo, MasterClient, MasterRpcError
 from hixl.store_codes import ErrorCode
 from hixl.tls import TlsSetting
+from hixl.tools.bench import format_table
 from hixl.types import Perm, SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
 

@@ -162,7 +162,7 @@ def plot_report(report: dict[str, Any], path: str) -> list[Panel]:
     matplotlib.use("Agg")  # files only: no display on servers
     import matplotlib.pyplot as plt
 
-    from hixl.client.bench import human_size
+    from hixl.tools.bench import human_size
 
     drawn = panels(report)
     if not drawn:

@@ -230,24 +230,21 @@ class ManagedMaster:
     """A hixl-master with a data dir, restarted on the same port(s) and config."""
 
     def __init__(self, workdir: str) -> None:
-        from hixl.server.master import build_parser
-
         self.data_dir = os.path.join(workdir, "master-data")
         self.log_path = os.path.join(workdir, "master.log")
         # reads lease values for 0.5 s (Mooncake: 5 s), so the space of replaced and
         # removed values comes back soon: the pool is sized never to evict (an eviction
         # drops keys by design, which the soak could not tell from a lost key)
         self.extra = ["--data-dir", self.data_dir, f"--default_kv_lease_ttl={LEASE_TTL_MS}"]
-        # pin the store call endpoint too, where the master has one: same ports on restart
-        if any("--fast-port" in action.option_strings for action in build_parser()._actions):
-            self.extra += ["--fast-port", str(free_port())]
+        # pin the store call endpoint too: same ports on restart
+        self.extra += ["--fast-port", str(free_port())]
         self.process: Any = None
         self.port = 0
         self.start()
         self.target = f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        from hixl.client.registry_bench import MasterProcess
+        from hixl.tools.registry_bench import MasterProcess
 
         # INFO: its log records every eviction, across restarts (see evictions())
         self.process = MasterProcess(self.port, extra=self.extra, log_path=self.log_path)
@@ -878,7 +875,7 @@ class ClientProcess:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.hung: dict[int, dict[str, Any]] = {}
         self.process = DaemonProcess(
-            [sys.executable, "-m", "hixl.client.soak", "--client", json.dumps(job)],
+            [sys.executable, "-m", "hixl.tools.soak", "--client", json.dumps(job)],
             name=f"soak client {index}", env=env, log_path=self.log_path,
             stdin=subprocess.PIPE, on_line=self._event)
         self.proc = self.process.proc
@@ -1178,8 +1175,8 @@ def format_soak_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m hixl.client.soak --client JOB`: one soak client process."""
-    parser = argparse.ArgumentParser(prog="python -m hixl.client.soak")
+    """`python -m hixl.tools.soak --client JOB`: one soak client process."""
+    parser = argparse.ArgumentParser(prog="python -m hixl.tools.soak")
     parser.add_argument("--client", metavar="JOB", required=True,
                         help="run one client process of a soak (JSON job from the parent)")
     args = parser.parse_args(argv)

@@ -2,13 +2,13 @@
 side with the same all-to-all done by `torch.distributed` (gloo, CPU) in the same run.
 
 For each shape (tokens per PE Bs, hidden H, experts per token K, experts per PE) it runs
-`hixl.client.moe.MoeLayer` in `n_pes` PE processes (`shmem_run.run_job`, a private
+`hixl.tools.moe.MoeLayer` in `n_pes` PE processes (`shmem_run.run_job`, a private
 hixl-master), once per data path: "mapped" (same-node PEs map each other's heaps) and
 "tcp" (`local_paths=False`). When `import torch` works, `n_pes` gloo ranks (processes,
 rendezvous `tcp://127.0.0.1:<free port>`) do the same exchange with `all_to_all_single`:
 per-(source, expert) counts, then every (token, k) row and its (source, token, k, expert)
 metadata with split sizes, the expert compute, every result back, the same reduction —
-the same routing, packing and arithmetic code (hixl.client.moe), only the transport
+the same routing, packing and arithmetic code (hixl.tools.moe), only the transport
 differs.
 
 A pass starts after a barrier; *dispatch* is routing + packing + exchange until every
@@ -41,9 +41,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from hixl.client import moe
-from hixl.client.bench import BenchFailure, format_table
-from hixl.client.moe import MoeShape
+from hixl.tools import moe
+from hixl.tools.bench import BenchFailure, format_table
+from hixl.tools.moe import MoeShape
 
 PATHS = ("mapped", "tcp")
 TORCH_MODES = ("auto", "on", "off")
@@ -220,8 +220,8 @@ def _torch_pass(shape: MoeShape, world: int, rank: int, inputs: moe.MoeInputs,
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m hixl.client.moe_bench --hixl-pe JSON | --torch-rank JSON`."""
-    parser = argparse.ArgumentParser(prog="python -m hixl.client.moe_bench")
+    """`python -m hixl.tools.moe_bench --hixl-pe JSON | --torch-rank JSON`."""
+    parser = argparse.ArgumentParser(prog="python -m hixl.tools.moe_bench")
     role = parser.add_mutually_exclusive_group(required=True)
     role.add_argument("--hixl-pe", metavar="JSON")
     role.add_argument("--torch-rank", metavar="JSON")
@@ -278,13 +278,13 @@ def torch_unavailable() -> str | None:
 def _run_workers(system: str, role: str, config: MoeBenchConfig, shapes: Sequence[MoeShape],
                  path: str) -> list[dict[str, Any]]:
     """Run one job of n_pes workers; every worker's per-shape records."""
-    from hixl.client.shmem_run import run_job
     from hixl.processes import free_port
+    from hixl.tools.shmem_run import run_job
 
     job = {"shapes": [asdict(s) for s in shapes], "path": path, "seed": config.seed,
            "warmup": config.warmup, "iterations": config.iterations,
            "timeout": min(config.timeout, 120.0)}
-    command = [sys.executable, "-m", "hixl.client.moe_bench", role, json.dumps(job)]
+    command = [sys.executable, "-m", "hixl.tools.moe_bench", role, json.dumps(job)]
     # torch ranks rendezvous at the "bootstrap" address; hixl PEs get a private master
     bootstrap = f"127.0.0.1:{free_port('127.0.0.1')}" if system == "torch" else None
     lines = _Lines()
@@ -438,13 +438,13 @@ def _paths(text: str) -> tuple[str, ...]:
 
 def add_parser(subparsers: Any) -> None:
     """Declare `bench-moe` (the CLI maps `hixl bench moe` to it)."""
-    from hixl.client.cli import _non_negative_int, _positive_float, _positive_int, add_json_flag
+    from hixl.tools.cli import _non_negative_int, _positive_float, _positive_int, add_json_flag
 
     defaults = MoeBenchConfig()
     p = subparsers.add_parser(
         "bench-moe", help="time MoE dispatch + combine on hixl.shmem against torch gloo; "
                           "also `hixl bench moe`",
-        description="Run MoE dispatch + combine (hixl.client.moe) in N PE processes on the "
+        description="Run MoE dispatch + combine (hixl.tools.moe) in N PE processes on the "
                     "mapped and TCP paths, and the same all-to-all with torch.distributed "
                     "(gloo, CPU) in the same run when torch imports; print dispatch, combine "
                     "and total ms (p50/p99), GB/s and the ratio. Every pass is checked "
@@ -474,7 +474,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_bench_moe_command(args: argparse.Namespace) -> int:
-    from hixl.client.cli import EXIT_FAILED, emit_report
+    from hixl.tools.cli import EXIT_FAILED, emit_report
 
     config = MoeBenchConfig(shapes=args.shapes, n_pes=args.n_pes, iterations=args.iterations,
                             warmup=args.warmup, dtype=args.dtype, paths=args.paths,

@@ -5,7 +5,7 @@ package `mooncake-transfer-engine-non-cuda`, which needs the system's `libibverb
 bench imports this module lazily and, without Mooncake, reports why it was not measured.
 
 Mooncake runs exactly as its users run it between two hosts: protocol "tcp", metadata
-"P2PHANDSHAKE". The *target* is a separate process (`python -m hixl.client.mooncake_baseline
+"P2PHANDSHAKE". The *target* is a separate process (`python -m hixl.tools.mooncake_baseline
 --host IP --buffer N`) that registers one pre-faulted buffer and prints
 `HIXL-MOONCAKE-READY <segment> <addr> <length>`; the *initiator* lives in the bench process,
 registers the bench's own local buffer, and moves blocks with `transfer_sync_write/read`
@@ -87,7 +87,7 @@ def _register(engine: Any, addr: int, length: int) -> None:
 
 def target_main(argv: Sequence[str] | None = None) -> int:
     """The target: registers `--buffer` bytes and serves until stdin closes (or forever)."""
-    parser = argparse.ArgumentParser(prog="python -m hixl.client.mooncake_baseline")
+    parser = argparse.ArgumentParser(prog="python -m hixl.tools.mooncake_baseline")
     parser.add_argument("--host", default="127.0.0.1", help="the IP peers reach it at")
     parser.add_argument("--buffer", type=int, required=True, help="bytes to register")
     parser.add_argument("--forever", action="store_true",
@@ -118,7 +118,7 @@ def parse_ready(line: str) -> tuple[str, int, int]:
 
 
 def target_command(host: str, buffer_bytes: int) -> list[str]:
-    return [sys.executable, "-m", "hixl.client.mooncake_baseline", "--host", host,
+    return [sys.executable, "-m", "hixl.tools.mooncake_baseline", "--host", host,
             "--buffer", str(buffer_bytes)]
 
 

@@ -9,14 +9,14 @@ for the socket path. Every engine cell ends by checking, through the *other* pat
 the bytes it moved are the right ones: a benchmark that moves wrong bytes is worthless.
 
 Across nodes (`--agent` on another host) only the socket path applies, and the raw stream
-peer must run on the agent's host too: `python -m hixl.client.bench --raw-server --tcp
+peer must run on the agent's host too: `python -m hixl.tools.bench --raw-server --tcp
 IP:PORT --buffer BYTES --forever` there, and `--raw-peer IP:PORT` here
 (scripts/bench_multinode.py does all of it between two simulated hosts). When
 `mooncake.engine` imports, Mooncake's TransferEngine (tcp) is measured in the same run on
-the same blocks (`client/mooncake_baseline.py`; `--mooncake-peer` names its target on the
+the same blocks (`tools/mooncake_baseline.py`; `--mooncake-peer` names its target on the
 agent's host), and each socket cell gets its our/Mooncake ratio.
 
-`python -m hixl.client.bench --raw-server ...` runs the raw stream peer.
+`python -m hixl.tools.bench --raw-server ...` runs the raw stream peer.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class BenchConfig:
     hixl_transfers: int = 100
     # Across nodes (`agent` on another host): the raw stream baseline must run between the
     # same two hosts, so a raw server there is given (`--raw-server --tcp`), and so may a
-    # Mooncake target (`python -m hixl.client.mooncake_baseline`).
+    # Mooncake target (`python -m hixl.tools.mooncake_baseline`).
     raw_peer: str | None = None  # "host:port" of a raw stream server; None starts one here
     local: str | None = None  # IP of this side's engines; None: the one that routes to the agent
     mooncake: str = "auto"  # "auto": measured when mooncake.engine imports; "on": required; "off"
@@ -404,7 +404,7 @@ class RawStreamServer(RawPeer):
     def __init__(self, buffer_bytes: int, workdir: str) -> None:
         unix_path = os.path.join(workdir, "raw.sock")
         self.process = DaemonProcess(
-            [sys.executable, "-m", "hixl.client.bench", "--raw-server",
+            [sys.executable, "-m", "hixl.tools.bench", "--raw-server",
              "--unix", unix_path, "--buffer", str(buffer_bytes)],
             name="raw stream server", ready=RAW_READY, stop_by="stdin")
         line = self.process.wait_ready(AGENT_START_TIMEOUT_S)
@@ -484,7 +484,7 @@ class RangeTarget:
 
     def __init__(self, host: str, call_bytes: int, block: int) -> None:
         self.process = DaemonProcess(
-            [sys.executable, "-m", "hixl.client.bench", "--range-target", "--host", host,
+            [sys.executable, "-m", "hixl.tools.bench", "--range-target", "--host", host,
              "--call-bytes", str(call_bytes), "--block", str(block)],
             name="the range target", ready=RANGE_READY, stop_by="stdin",
             start_new_session=True)
@@ -732,7 +732,7 @@ class Bench(BenchRun):
         elif self.across_nodes and "socket" in self.paths and config.matrix:
             raise BenchFailure(
                 f"agent {self.agent} is on another node, so the raw stream baseline must run "
-                "there too: start `python -m hixl.client.bench --raw-server --tcp IP:PORT "
+                "there too: start `python -m hixl.tools.bench --raw-server --tcp IP:PORT "
                 f"--buffer {self.call_bytes} --forever` on that node and pass --raw-peer IP:PORT")
         else:
             self.raw = RawStreamServer(self.call_bytes, self.workdir)
@@ -754,7 +754,7 @@ class Bench(BenchRun):
         if "socket" not in self.paths or not config.matrix:
             info["reason"] = "the socket path's matrix is not measured in this run"
             return None
-        from hixl.client import mooncake_baseline as mc
+        from hixl.tools import mooncake_baseline as mc
 
         reason = mc.unavailable_reason()
         remote_addr = None
@@ -946,7 +946,7 @@ class Bench(BenchRun):
 
     def _mooncake_cell(self, op: str, block: int, batch: int) -> dict[str, Any]:
         """Mooncake's TransferEngine moving the same blocks from the same local buffer."""
-        from hixl.client.mooncake_baseline import MooncakeError
+        from hixl.tools.mooncake_baseline import MooncakeError
 
         call = self.mooncake.call(op, self.sides["socket"].local_addr, block, batch)
         try:

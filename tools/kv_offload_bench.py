@@ -1,4 +1,4 @@
-"""`hixl bench kv-offload`: the KV-offload scenario (hixl.client.kv_offload), timed.
+"""`hixl bench kv-offload`: the KV-offload scenario (hixl.tools.kv_offload), timed.
 
 For each page size (default: the seed's 144 KiB = 128 KiB K + 16 KiB V per layer, i.e.
 8784 KiB blocks of 61 layers; and 4 KiB pages, 244 KiB blocks, where the per-page cost
@@ -17,7 +17,7 @@ pool PE, sent with put_batch / get_batch. Baseline, same run: a plain Python loo
 copy of the symmetric pool; addresses computed untimed), each baseline batch timed right
 before its hixl twin so machine noise hits both.
 Over TCP a second baseline, same run: the *raw stream* between the same two processes
-(`hixl.client.bench`'s raw stream protocol; PE 1 serves it from a thread, PE 0 dials it
+(`hixl.tools.bench`'s raw stream protocol; PE 1 serves it from a thread, PE 0 dials it
 over loopback TCP): each offload batch's and each gather's bytes as one contiguous
 stream (a sendall and a 1-byte ack; a request and recv_into), timed right before its
 hixl twin -- what the link between those processes carries with no per-page work.
@@ -25,7 +25,7 @@ Figures: offload GB/s and blocks/s from the median run (the sum of its batches),
 GB/s and blocks/s from the median step; p50/p99 per batch and per step; ratio = hixl /
 baseline GB/s, raw_ratio = hixl / raw stream GB/s. A wrong byte anywhere fails the command (exit status 1).
 
-`python -m hixl.client.kv_offload_bench --pe-worker JSON` is one PE of such a job.
+`python -m hixl.tools.kv_offload_bench --pe-worker JSON` is one PE of such a job.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from hixl.client.bench import (
+from hixl.tools.bench import (
     KIB,
     MIB,
     BenchFailure,
@@ -138,7 +138,7 @@ def _raw_peer(spec: dict[str, Any], deadline: float) -> RawPeer:
 
 def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """PE 0's timed runs: the figures, and every bad page found."""
-    from hixl.client.kv_offload import InferenceSide, bad_pages, top_k_blocks
+    from hixl.tools.kv_offload import InferenceSide, bad_pages, top_k_blocks
 
     side = InferenceSide(job)
     raw = _raw_peer(spec, time.monotonic() + spec["timeout"]).connect("tcp") \
@@ -238,7 +238,7 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_pool(job: Any, spec: dict[str, Any]) -> None:
     """A pool PE: check every generation PE 0 offloads, then wait until it is done."""
-    from hixl.client.kv_offload import PoolSide
+    from hixl.tools.kv_offload import PoolSide
 
     side = PoolSide(job)
     server = None
@@ -260,8 +260,8 @@ def run_pool(job: Any, spec: dict[str, Any]) -> None:
 def pe_main(spec: dict[str, Any]) -> int:
     """One PE of a bench job (started by `run_job`; identity from its environment)."""
     import hixl.shmem as shmem
-    from hixl.client.kv_offload import INFERENCE_PE, KvLayout, KvOffloadJob
     from hixl.errors import HixlError
+    from hixl.tools.kv_offload import INFERENCE_PE, KvLayout, KvOffloadJob
 
     layout = KvLayout(spec["layers"], spec["blocks"], spec["page_bytes"], spec["pool_pes"])
     try:
@@ -291,7 +291,7 @@ def _case_name(layers: int, page: int) -> str:
 def run_case(config: KvBenchConfig, page: int, path: str, bootstrap: str,
              workdir: str) -> dict[str, Any]:
     """One job (PE 0 and the pool PEs) for one page size and path; its figures."""
-    from hixl.client.shmem_run import run_job
+    from hixl.tools.shmem_run import run_job
 
     blocks = config.blocks(page)
     out = os.path.join(workdir, f"pe0-{uuid.uuid4().hex[:8]}.json")
@@ -306,7 +306,7 @@ def run_case(config: KvBenchConfig, page: int, path: str, bootstrap: str,
             "raw_address": os.path.join(workdir, f"raw-{uuid.uuid4().hex[:8]}")
             if path == "tcp" else ""}
     capture = io.StringIO()  # every PE line (run_job serializes them), for a failure
-    result = run_job([sys.executable, "-m", "hixl.client.kv_offload_bench", "--pe-worker",
+    result = run_job([sys.executable, "-m", "hixl.tools.kv_offload_bench", "--pe-worker",
                       json.dumps(spec)], 1 + config.pool_pes, bootstrap=bootstrap,
                      timeout=job_timeout, output=capture)
     if not result.ok or not os.path.exists(out):
@@ -325,7 +325,7 @@ def run_kv_offload_bench(config: KvBenchConfig, progress: IO[str] | None = None
                          ) -> dict[str, Any]:
     """Every (page size, path) case; raises KvOffloadBenchFailure on a wrong byte (after
     building the whole report, so the failure names every bad page)."""
-    from hixl.client.registry_bench import MasterProcess
+    from hixl.tools.registry_bench import MasterProcess
 
     cases: list[dict[str, Any]] = []
     with MasterProcess(log_level="WARNING") as master, \
@@ -387,7 +387,7 @@ def format_kv_report(report: dict[str, Any]) -> str:
 
 
 def _page_list(text: str) -> tuple[int, ...]:
-    from hixl.client.cli import _size_list
+    from hixl.tools.cli import _size_list
 
     sizes = _size_list(text)
     if any(size % 8 for size in sizes):
@@ -397,7 +397,7 @@ def _page_list(text: str) -> tuple[int, ...]:
 
 def add_parser(subparsers: Any) -> None:
     """Declare `bench-kv-offload` (`hixl bench kv-offload`) on a CLI's subparsers."""
-    from hixl.client.cli import (
+    from hixl.tools.cli import (
         _choices,
         _one_size,
         _positive_float,
@@ -442,7 +442,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from hixl.client.cli import emit_report
+    from hixl.tools.cli import emit_report
 
     config = KvBenchConfig(layers=args.layers, page_sizes=args.page_sizes,
                            pool_bytes=args.pool_bytes, top_k=args.top_k, steps=args.steps,
@@ -454,7 +454,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m hixl.client.kv_offload_bench`: a PE (--pe-worker), else the bench."""
+    """`python -m hixl.tools.kv_offload_bench`: a PE (--pe-worker), else the bench."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--pe-worker"]:
         return pe_main(json.loads(argv[1]))

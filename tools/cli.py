@@ -1,9 +1,9 @@
 """`hixl`: the user's command line. Subcommands: `bench`, `bench-registry`, `bench-store`
 (also spelled `hixl bench store`), `bench-kv-offload` and `bench-moe` (`hixl bench
-kv-offload` / `hixl bench moe`: the hixl.shmem scenarios, in hixl.client.kv_offload_bench
-and hixl.client.moe_bench), the operator queries `status`, `segments`, `keys`
-(hixl.client.admin), `soak` (hixl.client.soak: random calls under random kills) and
-`shmem-run` (hixl.client.shmem_run: one process per PE of a hixl.shmem job).
+kv-offload` / `hixl bench moe`: the hixl.shmem scenarios, in hixl.tools.kv_offload_bench
+and hixl.tools.moe_bench), the operator queries `status`, `segments`, `keys`
+(hixl.tools.admin), `soak` (hixl.tools.soak: random calls under random kills) and
+`shmem-run` (hixl.tools.shmem_run: one process per PE of a hixl.shmem job).
 
 Each subcommand is one `add_<name>(subparsers)` function that declares its flags and sets
 `handler`; `main()` parses and dispatches, turning expected failures into an error line
@@ -18,8 +18,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hixl.client import bench
 from hixl.errors import ConfigError, HixlError
+from hixl.tools import bench
 
 if TYPE_CHECKING:
     from hixl.tls import TlsSetting
@@ -114,7 +114,7 @@ def add_bench(subparsers: Any) -> None:
                         "private hixl-agent here)")
     p.add_argument("--raw-peer", metavar="HOST:PORT", type=_host_port,
                    help="raw stream baseline server to compare with, on the agent's node "
-                        "(`python -m hixl.client.bench --raw-server --tcp HOST:PORT --buffer "
+                        "(`python -m hixl.tools.bench --raw-server --tcp HOST:PORT --buffer "
                         "BYTES --forever`); required when the agent is on another node "
                         "(default: start one here)")
     p.add_argument("--local", metavar="IP",
@@ -127,7 +127,7 @@ def add_bench(subparsers: Any) -> None:
                         "mooncake.engine imports (default), on = required, off = never")
     p.add_argument("--mooncake-peer", metavar="IP:RPC_PORT", type=_host_port,
                    help="segment of a Mooncake target on the agent's node (`python -m "
-                        "hixl.client.mooncake_baseline --host IP --buffer BYTES`); default: "
+                        "hixl.tools.mooncake_baseline --host IP --buffer BYTES`); default: "
                         "start one here (same node only)")
     p.add_argument("--paths", type=_choices(bench.PATHS), default=defaults.paths,
                    help="fabric,socket (default both)")
@@ -200,14 +200,14 @@ def bench_config(args: argparse.Namespace) -> bench.BenchConfig:
 def run_bench_command(args: argparse.Namespace) -> int:
     config = bench_config(args)
     if args.plot:
-        from hixl.client.bench_plot import check_plot_target
+        from hixl.tools.bench_plot import check_plot_target
 
         check_plot_target(args.plot)
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     report = bench.run_bench(config, sys.stderr if show_progress else None)
     emit_report(bench.format_report(report), report, args.json)
     if args.plot:
-        from hixl.client.bench_plot import plot_report
+        from hixl.tools.bench_plot import plot_report
 
         plot_report(report, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout,
@@ -221,7 +221,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def add_bench_registry(subparsers: Any) -> None:
-    from hixl.client.registry_bench import RegistryBenchConfig
+    from hixl.tools.registry_bench import RegistryBenchConfig
 
     defaults = RegistryBenchConfig()
     p = subparsers.add_parser(
@@ -258,7 +258,7 @@ def add_bench_registry(subparsers: Any) -> None:
 
 
 def run_bench_registry_command(args: argparse.Namespace) -> int:
-    from hixl.client import registry_bench
+    from hixl.tools import registry_bench
 
     config = registry_bench.RegistryBenchConfig(
         publishers=args.publishers, segments=args.segments, watchers=args.watchers,
@@ -287,7 +287,7 @@ def emit_report(table: str, report: dict[str, Any], json_target: str | None) -> 
 
 
 def add_bench_store(subparsers: Any) -> None:
-    from hixl.client.store_bench import WORKLOADS, StoreBenchConfig
+    from hixl.tools.store_bench import WORKLOADS, StoreBenchConfig
 
     defaults = StoreBenchConfig()
     p = subparsers.add_parser(
@@ -332,7 +332,7 @@ def add_bench_store(subparsers: Any) -> None:
                    help="use this running mooncake_master (default: start a private one)")
     p.add_argument("--no-holder", action="store_false", dest="holders",
                    help="start no segment holders: they are mounted at the masters already "
-                        "(e.g. on another node: `python -m hixl.client.store_bench --holder "
+                        "(e.g. on another node: `python -m hixl.tools.store_bench --holder "
                         "hixl|mooncake --master HOST:PORT --host IP --segment BYTES`)")
     p.add_argument("--local", metavar="IP",
                    help="this side's IP for the clients (default: the one routing to the master)")
@@ -351,7 +351,7 @@ def add_bench_store(subparsers: Any) -> None:
 
 def store_bench_config(args: argparse.Namespace) -> Any:
     """The StoreBenchConfig that `hixl bench store` flags describe."""
-    from hixl.client.store_bench import StoreBenchConfig
+    from hixl.tools.store_bench import StoreBenchConfig
 
     return StoreBenchConfig(
         sizes=args.sizes, batch=args.batch, runs=args.runs, run_bytes=args.run_bytes,
@@ -361,7 +361,7 @@ def store_bench_config(args: argparse.Namespace) -> Any:
 
 
 def run_bench_store_command(args: argparse.Namespace) -> int:
-    from hixl.client import store_bench
+    from hixl.tools import store_bench
 
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     config = store_bench_config(args)
@@ -382,7 +382,7 @@ def run_bench_store_command(args: argparse.Namespace) -> int:
 
 def _admin_flags(p: argparse.ArgumentParser, *, json_help: str) -> None:
     """Flags every operator query shares: token file, deadline, JSON output."""
-    from hixl.client import admin
+    from hixl.tools import admin
 
     p.add_argument("--token-file", metavar="PATH",
                    help="cluster token file (default: $HIXL_CLUSTER_TOKEN or "
@@ -420,7 +420,7 @@ def _tls(args: argparse.Namespace) -> TlsSetting:
 
 
 def add_status(subparsers: Any) -> None:
-    from hixl.client import admin
+    from hixl.tools import admin
 
     p = subparsers.add_parser(
         "status", help="health of an agent and a master: segments, peers, registry, store",
@@ -439,7 +439,7 @@ def add_status(subparsers: Any) -> None:
 
 
 def run_status_command(args: argparse.Namespace) -> int:
-    from hixl.client import admin
+    from hixl.tools import admin
 
     agent = args.agent or (None if args.master else admin.DEFAULT_AGENT)
     report = admin.status(agent, args.master, token=_token(args), timeout=args.timeout,
@@ -453,7 +453,7 @@ def run_status_command(args: argparse.Namespace) -> int:
 
 
 def add_segments(subparsers: Any) -> None:
-    from hixl.client import admin
+    from hixl.tools import admin
 
     p = subparsers.add_parser(
         "segments", help="the global segment table",
@@ -473,7 +473,7 @@ def add_segments(subparsers: Any) -> None:
 
 
 def run_segments_command(args: argparse.Namespace) -> int:
-    from hixl.client import admin
+    from hixl.tools import admin
 
     listing = admin.segments(master=args.master, agent=args.agent, node=args.node,
                              token=_token(args), timeout=args.timeout, tls=_tls(args))
@@ -483,7 +483,7 @@ def run_segments_command(args: argparse.Namespace) -> int:
 
 
 def add_keys(subparsers: Any) -> None:
-    from hixl.client import admin
+    from hixl.tools import admin
 
     p = subparsers.add_parser(
         "keys", help="objects in the KV store, by key pattern",
@@ -505,7 +505,7 @@ def add_keys(subparsers: Any) -> None:
 
 
 def run_keys_command(args: argparse.Namespace) -> int:
-    from hixl.client import admin
+    from hixl.tools import admin
 
     listing = admin.keys(args.master, args.pattern, limit=args.limit, token=_token(args),
                          timeout=args.timeout, tls=_tls(args))
@@ -537,7 +537,7 @@ def _host_port_list(text: str) -> tuple[str, ...]:
 
 
 def add_soak(subparsers: Any) -> None:
-    from hixl.client.soak import SoakConfig
+    from hixl.tools.soak import SoakConfig
 
     defaults = SoakConfig()
     p = subparsers.add_parser(
@@ -587,7 +587,7 @@ def add_soak(subparsers: Any) -> None:
 
 
 def run_soak_command(args: argparse.Namespace) -> int:
-    from hixl.client import soak
+    from hixl.tools import soak
 
     config = soak.SoakConfig(
         clients=args.clients, seconds=args.seconds, agents=args.agents,
@@ -623,7 +623,7 @@ def add_shmem_run(subparsers: Any) -> None:
 
 
 def run_shmem_run(args: argparse.Namespace) -> int:
-    from hixl.client.shmem_run import run_job
+    from hixl.tools.shmem_run import run_job
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     result = run_job(command, args.n_local, bootstrap=args.bootstrap, job=args.job,
@@ -642,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hixl", description="hixl command-line tools")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    from hixl.client import kv_offload_bench, moe_bench
+    from hixl.tools import kv_offload_bench, moe_bench
 
     for add in (add_bench, add_bench_registry, add_bench_store, kv_offload_bench.add_parser,
                 moe_bench.add_parser, add_status, add_segments, add_keys, add_soak,
