@@ -487,7 +487,7 @@ class Engine:
     def _start_embedded_agent(self, agent_config: Any | None) -> Any:
         """The seam (with embedded_agent_config): the one place the SDK starts the agent
         implementation, hixl.server, in this process (tests/test_layout.py holds to it)."""
-        from hixl.server.runtime import AgentServer
+        from hixl.server.agent.runtime import AgentServer
 
         # with a registry, the embedded agent publishes there, so every engine sees it
         config = agent_config or embedded_agent_config(host=self.host, grpc_port=self.port,
@@ -864,7 +864,7 @@ class Engine:
 
     @property
     def agent(self) -> Any | None:
-        """The embedded agent (hixl.server.agent.Agent) serving this engine's memory, or
+        """The embedded agent (hixl.server.agent.agent.Agent) serving this engine's memory, or
         None for a client-only engine; adapters read the segments peers gave it."""
         return self._server.agent if self._server is not None else None
 

@@ -1,6 +1,6 @@
 """The fd socket's protocol, sans-IO: named messages and their pure encode/decode.
 
-The agent's fd socket (`hixl.server.fd_server.FdServer`) and its client
+The agent's fd socket (`hixl.server.agent.fd_server.FdServer`) and its client
 (`hixl.client.agent_client.FdClient`) exchange one JSON object per SOCK_SEQPACKET message,
 a request and then its reply; fds ride along as SCM_RIGHTS. Nothing here touches a
 socket or an fd: the codec sees how many fds came with a message, the I/O drivers send,

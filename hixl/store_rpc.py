@@ -6,7 +6,7 @@ also serves the hot calls (`METHODS`: the puts, reads, exists, sizes and removal
 second port, over the data path's framing and handshake (`hixl.wire`: HELLO, the
 cluster-token CHALLENGE / AUTH, then CALL frames), one thread per connection. Payloads
 are the very `store_pb2` request and reply messages the gRPC service takes, so both
-front ends run the same code behind them (`hixl.server.store_service.StoreCalls`).
+front ends run the same code behind them (`hixl.server.master.store_service.StoreCalls`).
 
 gRPC stays the canonical API: the master advertises the endpoint's port in its
 Heartbeat and MountSegment replies (`fast_port`), and `MasterClient` takes this path

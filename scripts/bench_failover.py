@@ -54,7 +54,7 @@ from etcd_cluster import EtcdCluster, etcd_missing  # noqa: E402  (tests/etcd_cl
 from hixl.client.mooncake import MooncakeDistributedStore  # noqa: E402
 from hixl.etcd import EtcdClient, Leader  # noqa: E402
 from hixl.processes import DaemonProcess, ProcessNotReady  # noqa: E402
-from hixl.server.leadership import ELECTION_NAME  # noqa: E402
+from hixl.server.master.leadership import ELECTION_NAME  # noqa: E402
 from hixl.store_client import MasterClient  # noqa: E402
 from hixl.store_codes import ErrorCode  # noqa: E402
 from hixl.tools.bench import format_table  # noqa: E402

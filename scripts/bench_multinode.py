@@ -162,7 +162,7 @@ def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
     quiet = {"MC_LOG_LEVEL": "ERROR"}
     with netns.Cluster(2) as cluster:
         a, b = cluster.hosts
-        _start(b, [sys.executable, "-m", "hixl.server.master", "--host", b.ip,
+        _start(b, [sys.executable, "-m", "hixl.server.master.master", "--host", b.ip,
                    "--port", str(STORE_MASTER_PORT), "--no-persist", "--log-level",
                    "WARNING", f"-default_kv_lease_ttl={store_bench.LEASE_TTL_MS}"],
                MASTER_READY, f"hixl-master on {b}")

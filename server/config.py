@@ -31,7 +31,7 @@ import yaml
 from hixl.control import DEFAULT_GRPC_PORT, node_identity
 from hixl.errors import ConfigError, ParamInvalid
 from hixl.failover import parse_addresses
-from hixl.server.agent import MAX_SEGMENTS
+from hixl.server.agent.agent import MAX_SEGMENTS
 from hixl.server.connections import HANDSHAKE_TIMEOUT_S, PREAUTH_CONNECTIONS
 from hixl.sizes import parse_size
 from hixl.tls import ClientTLS, ServerTLS

@@ -98,7 +98,7 @@ def agent_main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(config.log_level_number, config.log_json)
 
-    from hixl.server.runtime import AgentServer
+    from hixl.server.agent.runtime import AgentServer
 
     def announce(server: AgentServer) -> None:
         ends = server.endpoints
@@ -129,9 +129,9 @@ def agent_main(argv: list[str] | None = None) -> int:
 
 
 def master_main(argv: list[str] | None = None) -> int:
-    """The hixl-master console script (implemented in hixl.server.master)."""
+    """The hixl-master console script (implemented in hixl.server.master.master)."""
     try:
-        from hixl.server.master import run_master
+        from hixl.server.master.master import run_master
 
         return run_master(sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:  # Ctrl-C before its signal handlers are installed

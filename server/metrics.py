@@ -16,9 +16,9 @@ from hixl.metrics import counter, gauge, traffic_families
 from hixl.store_codes import ErrorCode
 
 if TYPE_CHECKING:
+    from hixl.server.master.store import ObjectStore
+    from hixl.server.master.store_rpc_server import StoreCallServer
     from hixl.server.registry import Registry
-    from hixl.server.store import ObjectStore
-    from hixl.server.store_rpc_server import StoreCallServer
 
 _CODES = {int(code): code.name for code in ErrorCode}
 

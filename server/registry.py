@@ -306,7 +306,7 @@ class _Lease:
 class Registry:
     """Thread-safe global address table: engine -> leased, published segment table."""
 
-    #: writes wait on something remote (server/etcd_registry.py): the gRPC skin runs them
+    #: writes wait on something remote (server/master/etcd_registry.py): the gRPC skin runs them
     #: on a thread instead of the event loop
     blocking = False
     #: "" : a lease is known here only; else the lease space all masters of the cluster

@@ -528,7 +528,7 @@ class Cluster:
 
     def start_master(self, host: Host, port: int = MASTER_PORT) -> str:
         """A hixl-master on `host` (in memory only), serving; returns its "ip:port"."""
-        master = DaemonProcess([sys.executable, "-m", "hixl.server.master", "--host", host.ip,
+        master = DaemonProcess([sys.executable, "-m", "hixl.server.master.master", "--host", host.ip,
                                 "--port", str(port), "--no-persist"],
                                name=f"hixl-master on {host}", ready="hixl-master serving",
                                spawn=host.spawn)

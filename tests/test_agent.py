@@ -12,7 +12,7 @@ import pytest
 
 from hixl.errors import OutOfRange, ParamInvalid, PermissionDenied, ResourceExhausted, StaleEpoch
 from hixl.memory import PAGE_SIZE, Mapping, ShmSegment
-from hixl.server.agent import ADDED, REMOVED, Agent
+from hixl.server.agent.agent import ADDED, REMOVED, Agent
 from hixl.types import MemType, Perm, SegmentInfo
 
 
@@ -24,7 +24,7 @@ def agent() -> Iterator[Agent]:
 
 
 def test_epoch_is_a_nonzero_u32_that_grows_with_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
-    import hixl.server.agent as agent_module
+    import hixl.server.agent.agent as agent_module
 
     now = [agent_module.EPOCH_ORIGIN_S + 1000.0]
     monkeypatch.setattr(agent_module.time, "time", lambda: now[0])

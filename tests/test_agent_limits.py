@@ -27,7 +27,7 @@ from conftest import TEST_STATE_DIR, AgentProcess, parse_ready, start_agent
 from hixl import wire
 from hixl.client.agent_client import AgentClient
 from hixl.errors import ParamInvalid, ResourceExhausted
-from hixl.server.agent import MAX_NAME_BYTES, MAX_OWNER_BYTES, TABLE_BYTES_LIMIT
+from hixl.server.agent.agent import MAX_NAME_BYTES, MAX_OWNER_BYTES, TABLE_BYTES_LIMIT
 from hixl.types import MAX_ALLOWED_ENGINES, MAX_ENGINE_NAME, Perm, SegmentInfo
 
 StartAgent = Callable[..., AgentProcess]

@@ -508,7 +508,7 @@ def test_agent_exits_2_naming_a_missing_or_empty_token_file(tmp_path: Path) -> N
 
 def test_master_exits_2_naming_a_missing_token_file(tmp_path: Path) -> None:
     missing = str(tmp_path / "absent.token")
-    done = subprocess.run([sys.executable, "-m", "hixl.server.master", "--port", "0",
+    done = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--port", "0",
                            "--cluster-token-file", missing], capture_output=True, text=True,
                           env=clean_env(), timeout=DEADLINE_S)
     assert done.returncode == 2 and missing in done.stderr

@@ -25,7 +25,7 @@ from hixl.client.agent_client import AgentClient
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
-from hixl.server.store import ObjectStore, StoreOptions
+from hixl.server.master.store import ObjectStore, StoreOptions
 from hixl.store_client import KeyState, ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.tools.cli import main

@@ -27,10 +27,10 @@ from hixl.client.agent_client import AgentClient
 from hixl.errors import ConfigError
 from hixl.processes import DaemonProcess, ProcessNotReady
 from hixl.registry_client import RegistryClient
-from hixl.server import master as master_module
 from hixl.server.config import AgentConfig, convert_key, keys_from_parser
 from hixl.server.main import build_agent_parser
-from hixl.server.master import MasterConfig, build_parser, parse_config
+from hixl.server.master import master as master_module
+from hixl.server.master.master import MasterConfig, build_parser, parse_config
 from hixl.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -600,7 +600,7 @@ def test_example_master_and_agent_start_and_form_a_cluster(
         deploy_env: tuple[dict[str, str], Path]) -> None:
     env, workdir = deploy_env
     # the deploy files as they are; only what would clash on a test machine is overridden
-    master = Process([sys.executable, "-m", "hixl.server.master",
+    master = Process([sys.executable, "-m", "hixl.server.master.master",
                       "--config", str(DEPLOY / "master.yaml"), "--host", "127.0.0.1",
                       "--port", "0", "--metrics-port", "0", "--fast-port", "0",
                       "--data-dir", str(workdir / "master")],
@@ -647,7 +647,7 @@ def test_example_agent_without_its_token_file_does_not_start(
     env["HIXL_CLUSTER_TOKEN_FILE"] = str(workdir / "missing-token")
     for argv in ([sys.executable, "-m", "hixl.server.main", "--config",
                   str(DEPLOY / "agent.yaml"), "--runtime-dir", str(workdir / "run")],
-                 [sys.executable, "-m", "hixl.server.master", "--config",
+                 [sys.executable, "-m", "hixl.server.master.master", "--config",
                   str(DEPLOY / "master.yaml"), "--host", "127.0.0.1", "--port", "0"]):
         result = subprocess.run(argv, env=env, capture_output=True, text=True,
                                 timeout=START_DEADLINE_S)
@@ -787,18 +787,18 @@ def test_a_flag_added_later_is_a_key_and_a_flag_without_a_field_is_refused() -> 
 
 def test_master_describe_config_and_bad_file_as_a_process(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_")}
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--describe-config"],
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--describe-config"],
                             capture_output=True, text=True, timeout=START_DEADLINE_S, env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == MasterConfig.describe()
     path = write(tmp_path, "client_ttl_s: soon\n")
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--config", path,
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--config", path,
                              "--port", "0"], capture_output=True, text=True,
                             timeout=START_DEADLINE_S, env=env)
     assert result.returncode == 2
     assert "'client_ttl_s'" in result.stderr and path in result.stderr
     assert "hixl-master serving" not in result.stdout
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--port", "0"],
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--port", "0"],
                             capture_output=True, text=True, timeout=START_DEADLINE_S,
                             env={**env, "HIXL_MASTER_CLIENT_TTL_S": "0"})
     assert result.returncode == 2 and "HIXL_MASTER_CLIENT_TTL_S" in result.stderr

@@ -12,8 +12,8 @@ import pytest
 from hixl import errors, store_codes
 from hixl.client.mooncake import transfer_engine
 from hixl.server.config import DEFAULT_GRPC_PORT, AgentConfig
-from hixl.server.master import DEFAULT_PORT as MASTER_PORT
-from hixl.server.master import MasterConfig
+from hixl.server.master.master import DEFAULT_PORT as MASTER_PORT
+from hixl.server.master.master import MasterConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_RETURNED = "not returned by hixl"

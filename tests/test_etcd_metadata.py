@@ -1,4 +1,4 @@
-"""The store's metadata on etcd (server/etcd_metadata.py) beyond the shared contract
+"""The store's metadata on etcd (server/master/etcd_metadata.py) beyond the shared contract
 (tests/test_metadata.py runs that against etcd too): prefixes as independent stores,
 records over etcd's txn cap, a store restarted on its prefix, etcd members killed, the
 writer claim and fencing, hixl-master's etcd settings, and a real hixl-master killed
@@ -31,15 +31,15 @@ from test_metadata import HISTORY, committed, fold, mount, obj, put, replica, rm
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.errors import ConfigError, HixlError, NotConnected, ParamInvalid
 from hixl.etcd import UNAVAILABLE_ERRORS, EtcdClient, EtcdConfig, Put
-from hixl.server.etcd_metadata import (
+from hixl.server.master.etcd_metadata import (
     MAX_TXN_OPS,
     NEXT_REPLICA_KEY,
     WRITER_KEY,
     EtcdMetadataBackend,
     object_key,
 )
-from hixl.server.master import StoreConfig, etcd_settings, open_backend, parse_config
-from hixl.server.store import ObjectStore, StoreOptions
+from hixl.server.master.master import StoreConfig, etcd_settings, open_backend, parse_config
+from hixl.server.master.store import ObjectStore, StoreOptions
 from hixl.store_client import ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.tools.registry_bench import MasterProcess
@@ -379,7 +379,7 @@ def test_contradictory_or_bad_etcd_settings_are_config_errors(settings: dict[str
 
 
 def test_the_master_refuses_contradictory_or_unreachable_etcd(tmp_path: Path) -> None:
-    run = [sys.executable, "-m", "hixl.server.master", "--port", "0"]
+    run = [sys.executable, "-m", "hixl.server.master.master", "--port", "0"]
     both = subprocess.run([*run, "--etcd-endpoints", "127.0.0.1:1", "--data-dir",
                            str(tmp_path)], capture_output=True, text=True, timeout=WAIT_S)
     assert both.returncode == 2 and "data_dir and etcd_endpoints" in both.stderr

@@ -1,4 +1,4 @@
-"""The registry on etcd (server/etcd_registry.py): leases are etcd leases, the table is
+"""The registry on etcd (server/master/etcd_registry.py): leases are etcd leases, the table is
 a mirror fed by an etcd watch.
 
 Real parts only: a 3-member etcd cluster on loopback (tests/etcd_cluster.py), real
@@ -32,7 +32,7 @@ from hixl.errors import (
 )
 from hixl.etcd import UNAVAILABLE_ERRORS, Compare, EtcdClient, WatchEvent
 from hixl.registry_client import EngineEndpoints, owner_verifier
-from hixl.server.etcd_registry import (
+from hixl.server.master.etcd_registry import (
     ENGINE_DIR,
     EtcdRegistry,
     engine_key,

@@ -38,9 +38,9 @@ from test_fuzz_data_server import recv_exact_or_eof as recv_exact
 
 from hixl import errors, wire
 from hixl.memory import ShmSegment
-from hixl.server import data_server
-from hixl.server.agent import Agent
-from hixl.server.data_server import DataServer
+from hixl.server.agent import data_server
+from hixl.server.agent.agent import Agent
+from hixl.server.agent.data_server import DataServer
 from hixl.transports import tcp
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport
@@ -474,7 +474,7 @@ def test_deregistering_under_lone_ops_never_touches_unmapped_memory(served: Serv
 AGENT_SCRIPT = r"""
 import json, sys
 from hixl.server.config import AgentConfig
-from hixl.server.runtime import AgentServer
+from hixl.server.agent.runtime import AgentServer
 from hixl.transports import tcp
 server = AgentServer(AgentConfig(host="127.0.0.1", grpc_port=0, runtime_dir=sys.argv[1],
                                  node_id="fastwire"))

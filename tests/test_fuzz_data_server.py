@@ -58,7 +58,7 @@ AGENT_SCRIPT = r"""
 import json, logging, random, sys
 from hixl.memory import ShmSegment
 from hixl.server.config import AgentConfig
-from hixl.server.runtime import AgentServer
+from hixl.server.agent.runtime import AgentServer
 from hixl.types import Perm
 
 runtime_dir, token, size, seed, layout = sys.argv[1:6]

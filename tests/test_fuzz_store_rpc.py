@@ -1,7 +1,7 @@
 """hixl-master's store call endpoint (`--fast-port`) under hostile input.
 
 Sans-IO: hypothesis byte streams, cut into random chunks, go through
-`wire.CallServerProtocol` driven as server/store_rpc_server.py drives it (read the
+`wire.CallServerProtocol` driven as server/master/store_rpc_server.py drives it (read the
 handshake payload, read or skip a CALL's payload, send, close): header fields with any
 value, truncated and oversized payloads, wrong opcodes, CALL before the handshake, bad
 AUTH, unknown method numbers, payloads that are no protobuf, request ids that are not

@@ -1,6 +1,6 @@
 """Property tests of the sans-IO data-path codec (hixl/wire.py) under hostile input.
 
-A small driver does with each action what server/data_server.py does (receive into the
+A small driver does with each action what server/agent/data_server.py does (receive into the
 target, discard, read the handshake payload, send, close), on bytes cut into arbitrary
 chunks, over segments laid out in one buffer with canary bytes around each. Properties:
 the server side never raises; every byte it lets into memory lands exactly in the window

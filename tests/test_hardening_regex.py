@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl.server.store import MAX_REGEX_WEIGHT
+from hixl.server.master.store import MAX_REGEX_WEIGHT
 from hixl.store_client import MasterClient, ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.tools.registry_bench import MasterProcess

@@ -168,7 +168,7 @@ def test_import_rules_catch_violations(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setitem(SOURCE_ROOTS, "hixl", fake_core)
     sample = fake_core / "transports" / "sample.py"
     sample.write_text(
-        "import hixl.server.agent\n"
+        "import hixl.server.agent.agent\n"
         "from hixl import client\n"
         "from ..client.engine import Engine\n"
         "import importlib\n"
@@ -178,7 +178,7 @@ def test_import_rules_catch_violations(tmp_path: Path, monkeypatch: pytest.Monke
         encoding="utf-8")
     found = _violations([sample], ("hixl.server", "hixl.client"))
     assert [v.rsplit(" imports ", 1)[1] for v in found] == [
-        "hixl.server.agent", "hixl.client", "hixl.client.engine", "hixl.client.engine.Engine",
+        "hixl.server.agent.agent", "hixl.client", "hixl.client.engine", "hixl.client.engine.Engine",
         "hixl.server"]
 
 

@@ -33,9 +33,9 @@ from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.etcd import EtcdClient
 from hixl.failover import LEADER_METADATA_KEY, NOT_LEADER_CODE, NotLeader
 from hixl.registry_client import RegistryClient
-from hixl.server.etcd_registry import engine_key
-from hixl.server.leadership import ELECTION_NAME
-from hixl.server.master import EXIT_DEPOSED
+from hixl.server.master.etcd_registry import engine_key
+from hixl.server.master.leadership import ELECTION_NAME
+from hixl.server.master.master import EXIT_DEPOSED
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import CallConnection
@@ -446,7 +446,7 @@ def masters_roles(target: str) -> dict[str, dict[str, str]]:
 
 def test_the_new_leader_serves_the_same_leases_and_agents_never_republish(
         cluster: EtcdCluster, agent_process: StartAgent) -> None:
-    """The registry lives on etcd (server/etcd_registry.py): a standby that takes over
+    """The registry lives on etcd (server/master/etcd_registry.py): a standby that takes over
     serves the agent's table at once, under the agent's own lease, which its keepalives
     go on renewing there; nothing is published again, and an engine's global table
     resyncs to the same content."""

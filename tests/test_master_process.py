@@ -21,7 +21,7 @@ from hixl import wire
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, StaleEpoch
 from hixl.processes import DaemonProcess, free_port
 from hixl.registry_client import RegistryClient
-from hixl.server.master import MasterConfig, StoreConfig, parse_config
+from hixl.server.master.master import MasterConfig, StoreConfig, parse_config
 from hixl.store_rpc import METHODS
 from hixl.types import MemType, Perm, SegmentInfo
 
@@ -41,7 +41,7 @@ class Master(DaemonProcess):
     temporary log file (`stderr`: its lines so far), removed once the object is gone."""
 
     def __init__(self, *flags: str) -> None:
-        super().__init__([sys.executable, "-m", "hixl.server.master", *flags],
+        super().__init__([sys.executable, "-m", "hixl.server.master.master", *flags],
                          name="hixl-master", ready=READY_PREFIX,
                          log_path=temporary_log(self, "hixl-master-"))
         self.target = ""
@@ -263,7 +263,7 @@ def test_mooncake_flags_are_recorded_in_the_config() -> None:
     (["--call-body-timeout-s", "0"], "--call-body-timeout-s"),
 ])
 def test_bad_flags_exit_nonzero_naming_the_flag(flags: list[str], named: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", *flags],
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", *flags],
                             capture_output=True, text=True, timeout=START_DEADLINE_S)
     assert result.returncode != 0
     assert named in result.stderr
@@ -272,7 +272,7 @@ def test_bad_flags_exit_nonzero_naming_the_flag(flags: list[str], named: str) ->
 
 def test_taken_port_fails_with_a_message(master: Master) -> None:
     port = master.target.rsplit(":", 1)[1]
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--port", port],
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--port", port],
                             capture_output=True, text=True, timeout=START_DEADLINE_S)
     assert result.returncode == 1
     assert f"cannot serve gRPC on 127.0.0.1:{port}: port {port} is in use" in result.stderr
@@ -286,7 +286,7 @@ def test_taken_port_fails_with_a_message(master: Master) -> None:
 def test_bad_call_limits_in_the_environment_exit_2_naming_the_key(var: str,
                                                                    value: str) -> None:
     env = {**os.environ, var: value}
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--port", "0",
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--port", "0",
                              "--no-persist"], capture_output=True, text=True, env=env,
                             timeout=START_DEADLINE_S)
     assert result.returncode == 2, result.stderr

@@ -33,7 +33,7 @@ from test_master_ha import (
 
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.processes import DaemonProcess, ProcessNotReady
-from hixl.server.store_service import AWAITING_REMOUNT
+from hixl.server.master.store_service import AWAITING_REMOUNT
 from hixl.store_client import MasterClient
 from hixl.store_codes import ErrorCode, code_name, hint_for_code
 from hixl.v1 import store_pb2, store_pb2_grpc

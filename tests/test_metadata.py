@@ -1,4 +1,4 @@
-"""The store's metadata backends (server/metadata.py): the MetadataBackend contract, then
+"""The store's metadata backends (server/master/metadata.py): the MetadataBackend contract, then
 what only the local journal does.
 
 **The contract tests are reusable.** `TestBackendContract` runs against every entry of
@@ -33,9 +33,9 @@ import pytest
 from etcd_cluster import EtcdCluster, start_cluster_or_skip
 
 from hixl.errors import ConfigError
-from hixl.server.etcd_metadata import EtcdMetadataBackend
-from hixl.server.master import StoreConfig, open_backend
-from hixl.server.metadata import (
+from hixl.server.master.etcd_metadata import EtcdMetadataBackend
+from hixl.server.master.master import StoreConfig, open_backend
+from hixl.server.master.metadata import (
     LoadedState,
     LocalJournalBackend,
     MetadataBackend,
@@ -43,7 +43,7 @@ from hixl.server.metadata import (
     State,
     read_journal,
 )
-from hixl.server.store import ObjectStore, StoreOptions
+from hixl.server.master.store import ObjectStore, StoreOptions
 from hixl.store_client import KeyState, ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
 

@@ -39,7 +39,7 @@ from hixl.errors import (
 from hixl.memory import buffer_range
 from hixl.processes import free_port
 from hixl.server.config import AgentConfig
-from hixl.server.store import StoreOptions
+from hixl.server.master.store import StoreOptions
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS
@@ -468,4 +468,4 @@ def test_metrics_port_in_use_fails_the_start_naming_the_key(tmp_path: Path) -> N
     assert master.returncode == 2 and "--metrics-port" in master.stderr
 
 
-MASTER = [sys.executable, "-m", "hixl.server.master", "--no-persist"]
+MASTER = [sys.executable, "-m", "hixl.server.master.master", "--no-persist"]

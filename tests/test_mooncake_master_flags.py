@@ -17,7 +17,7 @@ from etcd_cluster import start_cluster_or_skip
 from test_master_process import READY_PREFIX, START_DEADLINE_S, Master
 
 from hixl.errors import HixlError
-from hixl.server.master import MasterConfig, StoreConfig, etcd_settings, parse_config
+from hixl.server.master.master import MasterConfig, StoreConfig, etcd_settings, parse_config
 from hixl.server.mooncake_flags import UNUSED
 from hixl.store_client import MasterClient
 
@@ -143,7 +143,7 @@ def test_flagfile_lines_are_flags(tmp_path: Path) -> None:
 
 
 def _refused(*flags: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", *flags],
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", *flags],
                             capture_output=True, text=True, timeout=START_DEADLINE_S)
     assert result.returncode == 2, result.stderr
     assert READY_PREFIX not in result.stdout
@@ -184,7 +184,7 @@ def test_a_config_path_key_that_is_no_flag_is_refused_by_name(tmp_path: Path) ->
 
 
 def test_unused_flags_are_known_mooncake_flags_not_hixl_ones() -> None:
-    from hixl.server.master import build_parser
+    from hixl.server.master.master import build_parser
     from hixl.server.mooncake_flags import _flag_table
 
     assert not set(UNUSED) & set(_flag_table(build_parser()))

@@ -25,7 +25,7 @@ from test_master_process import EVENT_DEADLINE_S, Master
 
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.processes import free_port
-from hixl.server.master_http import HttpServer, MetadataStore
+from hixl.server.master.master_http import HttpServer, MetadataStore
 from hixl.store_codes import ErrorCode
 
 HOST = "127.0.0.1"
@@ -211,7 +211,7 @@ def test_a_taken_http_port_stops_the_master_naming_the_flag() -> None:
         taken.bind((HOST, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--rpc_port=0",
+        result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--rpc_port=0",
                                  "--no-persist", "--enable_http_metadata_server",
                                  f"--http_metadata_server_port={port}"],
                                 capture_output=True, text=True, timeout=EVENT_DEADLINE_S * 3)

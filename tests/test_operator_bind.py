@@ -40,7 +40,7 @@ def _agent(tmp_path: Path, **settings: object) -> subprocess.CompletedProcess[st
 
 
 def _master(*flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hixl.server.master", "--no-persist", *flags],
+    return subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--no-persist", *flags],
                           capture_output=True, text=True, timeout=120, env=clean_env())
 
 

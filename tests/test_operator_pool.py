@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from conftest import TEST_STATE_DIR, AgentProcess, clean_env
 
-from hixl.server.runtime import memory_room
+from hixl.server.agent.runtime import memory_room
 
 StartAgent = Callable[..., AgentProcess]
 

@@ -107,9 +107,9 @@ def test_the_call_bytes_budget_refuses_a_call_and_the_connection_goes_on() -> No
     refused unapplied after a short wait, its bytes skipped, and its connection serves the
     next frame; the call holding the budget completes; a stalled body closes its
     connection and gives its bytes back."""
-    from hixl.server.store import ObjectStore
-    from hixl.server.store_rpc_server import StoreCallServer
-    from hixl.server.store_service import StoreCalls
+    from hixl.server.master.store import ObjectStore
+    from hixl.server.master.store_rpc_server import StoreCallServer
+    from hixl.server.master.store_service import StoreCalls
 
     put_start = next(number for number, name in METHODS.items() if name == "PutStart")
     server = StoreCallServer(StoreCalls(ObjectStore()), call_bytes_budget=4 * MiB,

@@ -37,7 +37,7 @@ def serve(fails: int) -> None:
     counters, EOF stops it."""
     import logging
 
-    from hixl.server.data_server import DataServer
+    from hixl.server.agent.data_server import DataServer
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     shm = ShmSegment(SEG)

@@ -1,4 +1,4 @@
-"""The KV store's object index (server/store.py), driven directly: no gRPC, no sleeps.
+"""The KV store's object index (server/master/store.py), driven directly: no gRPC, no sleeps.
 
 Time is an injected clock the tests move by hand; randomness is a seeded Random.
 "Restart" is a new ObjectStore on the same data dir after the old one was abandoned as a
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from hixl.errors import ConfigError
-from hixl.server import store as store_module
-from hixl.server.metadata import Journal, read_journal
-from hixl.server.store import (
+from hixl.server.master import store as store_module
+from hixl.server.master.metadata import Journal, read_journal
+from hixl.server.master.store import (
     ALIGNMENT,
     MAX_REGEX_CHARS,
     MAX_REGEX_WEIGHT,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import waiting
 
-from hixl.server.master import MasterConfig, StoreConfig, default_data_dir, parse_config
+from hixl.server.master.master import MasterConfig, StoreConfig, default_data_dir, parse_config
 from hixl.store_client import (
     ClientStatus,
     MasterAuthenticationFailed,
@@ -238,7 +238,7 @@ def test_no_persist_keeps_nothing(tmp_path: Path) -> None:
 
 def test_a_data_dir_serves_one_master(master: MasterProcess, tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "hixl.server.master", "--port", "0", "--data-dir",
+        [sys.executable, "-m", "hixl.server.master.master", "--port", "0", "--data-dir",
          str(tmp_path / "data")], capture_output=True, text=True, timeout=DEADLINE_S)
     assert result.returncode == 1
     assert "in use by another hixl-master" in result.stderr
@@ -322,13 +322,13 @@ def test_store_flags_parse() -> None:
     (["--remount-grace-s", "-1"], "--remount-grace-s"),
 ])
 def test_bad_store_flags_exit_naming_the_flag(flags: list[str], named: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", *flags],
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", *flags],
                             capture_output=True, text=True, timeout=DEADLINE_S)
     assert result.returncode == 2 and named in result.stderr
 
 
 def test_release_timeout_shorter_than_discard_is_refused(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "hixl.server.master", "--port", "0",
+    result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--port", "0",
                              "--no-persist", "--put_start_discard_timeout_sec", "60",
                              "--put_start_release_timeout_sec", "30"],
                             capture_output=True, text=True, timeout=DEADLINE_S)
@@ -340,7 +340,7 @@ def test_an_unreachable_backend_is_logged_once_not_per_upkeep_pass(caplog) -> No
     one warning (again every repeat_s while it lasts) and one line when it ends; a bug
     keeps its traceback every time."""
     from hixl.errors import PeerUnavailable
-    from hixl.server.store_service import UpkeepFailures
+    from hixl.server.master.store_service import UpkeepFailures
 
     now = [100.0]
     failures = UpkeepFailures(repeat_s=30.0, clock=lambda: now[0])

@@ -21,7 +21,7 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.server.store import ObjectStore, StoreOptions
+from hixl.server.master.store import ObjectStore, StoreOptions
 from hixl.store_client import MasterClient, ReadGate, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.tools.registry_bench import MasterProcess

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import waiting
 
-from hixl.server.store import ObjectStore, StoreOptions
-from hixl.server.store_service import AWAITING_REMOUNT, Hold, StoreCalls
+from hixl.server.master.store import ObjectStore, StoreOptions
+from hixl.server.master.store_service import AWAITING_REMOUNT, Hold, StoreCalls
 from hixl.store_client import StoreSegment
 from hixl.store_codes import ErrorCode, code_name
 from hixl.v1 import store_pb2

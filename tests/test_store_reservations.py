@@ -23,8 +23,8 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.server.store import ObjectStore
-from hixl.server.store_service import StoreCalls
+from hixl.server.master.store import ObjectStore
+from hixl.server.master.store_service import StoreCalls
 from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.tools.registry_bench import MasterProcess

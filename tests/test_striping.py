@@ -19,7 +19,7 @@ from conftest import random_items
 
 from hixl import errors, wire
 from hixl.memory import ShmSegment
-from hixl.server.data_server import DataServer
+from hixl.server.agent.data_server import DataServer
 from hixl.transports.base import Item
 from hixl.transports.tcp import STRIPES, SocketTransport, _lane_bounds
 from hixl.types import MemType, Perm, SegmentInfo, TransferOp

@@ -209,7 +209,7 @@ def test_daemons_exit_2_naming_an_unusable_tls_file(pki: Pki, tmp_path: Path) ->
     done = subprocess.run(agent_command(config), capture_output=True, text=True,
                           env=clean_env(), timeout=DEADLINE_S)
     assert done.returncode == 2 and f"tls_key_file {missing}" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "hixl.server.master", "--port", "0",
+    done = subprocess.run([sys.executable, "-m", "hixl.server.master.master", "--port", "0",
                            "--tls-cert-file", pki.node.cert, "--tls-key-file",
                            pki.stranger.key], capture_output=True, text=True,
                           env=clean_env(), timeout=DEADLINE_S)

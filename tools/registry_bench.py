@@ -67,7 +67,7 @@ class MasterProcess(DaemonProcess):
             fd, log_path = tempfile.mkstemp(prefix="hixl-master-", suffix=".log")
             os.close(fd)
         super().__init__(
-            [sys.executable, "-m", "hixl.server.master",
+            [sys.executable, "-m", "hixl.server.master.master",
              *(() if host is None else ("--host", host)),
              "--port", str(port), "--log-level", log_level,
              # metadata kept only when the caller names a place for it (dir or etcd)

@@ -31,7 +31,7 @@ Semantics (Mooncake Store's master, plus persistence):
   replicas on them go; objects left with none are removed); an unknown client's
   heartbeat is answered NEED_REMOUNT.
 - **Persistence** (Mooncake loses every key on restart; this does not): with a metadata
-  backend (server/metadata.py; a data dir is `LocalJournalBackend`), every committed
+  backend (server/master/metadata.py; a data dir is `LocalJournalBackend`), every committed
   change (mount, unmount, put end, removal, eviction) is appended to it and durable
   before the call returns (group commit: one fsync serves every caller waiting at the
   time), with periodic snapshots that supersede the journal. Space is
@@ -66,7 +66,7 @@ from regex import _regex_core
 
 from hixl.errors import ConfigError
 from hixl.registry_client import EngineEndpoints
-from hixl.server.metadata import LocalJournalBackend, MetadataBackend
+from hixl.server.master.metadata import LocalJournalBackend, MetadataBackend
 from hixl.store_client import (
     ClientStatus,
     CountResult,

@@ -9,7 +9,7 @@ the leader, so clients go there by themselves (`hixl.failover`).
 
 `Leadership` is the one switch every front end consults: `LeaderGate`, a gRPC server
 interceptor, for the Master and Registry services, and the store call endpoint
-(server/store_rpc_server.py) for its CALLs. `Candidate` campaigns, keeps the leader hint
+(server/master/store_rpc_server.py) for its CALLs. `Candidate` campaigns, keeps the leader hint
 current (an election observer), and calls `on_elected` once this master leads. Losing
 the leadership afterwards (the election lease lost, another candidate leading, the
 store's backend fenced) is final: `Leadership.depose` closes the gate at once and

@@ -34,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from hixl.errors import ConfigError
 from hixl.metrics import CollectorRegistry, FunctionCollector
-from hixl.server.store import ObjectStore
+from hixl.server.master.store import ObjectStore
 from hixl.store_codes import ErrorCode, code_name
 
 log = logging.getLogger("hixl.master.http")

@@ -43,11 +43,11 @@ from hixl.registry_client import (
     load_owner_secret,
     owner_key_from_secret,
 )
-from hixl.server.agent import Agent
+from hixl.server.agent.agent import Agent
+from hixl.server.agent.data_server import Peer
+from hixl.server.agent.fd_server import FdServer, TicketBook, prepare_socket_path
+from hixl.server.agent.grpc_service import AgentServicer, Endpoints, RegistryState
 from hixl.server.config import AgentConfig, bind_failure, prepare_runtime_dir, probe_bind
-from hixl.server.data_server import Peer
-from hixl.server.fd_server import FdServer, TicketBook, prepare_socket_path
-from hixl.server.grpc_service import AgentServicer, Endpoints, RegistryState
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2_grpc
 from hixl.wrong_server import NOT_HTTP2
@@ -240,7 +240,7 @@ class Publisher:
     With several master addresses (`master: h1:p1,h2:p2`), the RegistryClient fails over
     by itself (hixl.failover): a renewal the lease's master cannot take (unreachable, not
     the leader) moves the client to the next master. Masters on etcd share the leases
-    (server/etcd_registry.py), so the renewal simply succeeds there; a master of its own
+    (server/master/etcd_registry.py), so the renewal simply succeeds there; a master of its own
     (no etcd) does not know the lease (NotConnected), so the segments are published there
     at once under a new lease, exactly as after a master restart: at most one renewal
     interval (ttl/3) plus the call's deadline after the old master went away.
@@ -372,7 +372,7 @@ class Publisher:
 
 
 def _data_server_class() -> Any:
-    from hixl.server.data_server import DataServer  # written alongside; imported late
+    from hixl.server.agent.data_server import DataServer  # written alongside; imported late
 
     return DataServer
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from hixl import fd_wire
 from hixl.errors import HixlError, ParamInvalid, PermissionDenied, ResourceExhausted
 from hixl.memory import size_sealed
-from hixl.server.agent import UNSEALED, Agent
-from hixl.server.data_server import Peer
+from hixl.server.agent.agent import UNSEALED, Agent
+from hixl.server.agent.data_server import Peer
 
 log = logging.getLogger("hixl.fd_server")
 

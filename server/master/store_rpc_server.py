@@ -51,8 +51,8 @@ from hixl.server.connections import (
     Stalled,
     ThreadPerConnection,
 )
-from hixl.server.leadership import Leadership
-from hixl.server.store_service import Hold, StoreCalls
+from hixl.server.master.leadership import Leadership
+from hixl.server.master.store_service import Hold, StoreCalls
 from hixl.store_rpc import MESSAGES, METHODS
 
 log = logging.getLogger("hixl.store.rpc")
@@ -73,7 +73,7 @@ class _OverBudget(Exception):
 class StoreCallServer(ThreadPerConnection):
     """Serves `METHODS` of `calls` on host:port (0: a free port) until stop().
 
-    `leadership`: while its master does not lead (a standby, server/leadership.py), every
+    `leadership`: while its master does not lead (a standby, server/master/leadership.py), every
     CALL is answered with reason NOT_LEADER and the leader's address as text, unapplied.
     """
 

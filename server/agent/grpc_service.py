@@ -21,9 +21,9 @@ import grpc
 
 from hixl.control import abort_with, segment_to_pb
 from hixl.errors import HixlError, ParamInvalid
-from hixl.server.agent import ADDED, Agent
-from hixl.server.data_server import Peer
-from hixl.server.fd_server import TicketBook
+from hixl.server.agent.agent import ADDED, Agent
+from hixl.server.agent.data_server import Peer
+from hixl.server.agent.fd_server import TicketBook
 from hixl.types import Perm, SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc
 

@@ -1,5 +1,5 @@
 """hixl-master: the process that serves the global address-table registry and the KV
-store's `Master` service (the object index, server/store.py).
+store's `Master` service (the object index, server/master/store.py).
 
 It accepts mooncake_master's flag spellings (`-rpc_port=50051` as well as
 `--rpc_port 50051`) so existing launch scripts work unchanged; the store flags
@@ -16,7 +16,7 @@ flags' dests: `port`, `client_ttl_s`, `data_dir`, ...) and an environment variab
 (`MasterConfig.keys()`), so the two cannot drift; `--describe-config` prints it.
 
 With etcd, several masters may serve one cluster (one prefix): they campaign in an etcd
-election (server/leadership.py); the leader loads the registry (server/etcd_registry.py:
+election (server/master/leadership.py); the leader loads the registry (server/master/etcd_registry.py:
 its leases are etcd leases, so they outlive any one master) and the store from etcd and
 serves, the others are standbys answering "not the leader" with the leader's address. A
 leader that loses the leadership exits with status `EXIT_DEPOSED` (3): its supervisor
@@ -58,15 +58,18 @@ from hixl.server.config import (
     layer_values,
     probe_bind,
 )
-from hixl.server.leadership import Candidate, LeaderGate, Leadership
-from hixl.server.master_http import (
+from hixl.server.master.leadership import Candidate, LeaderGate, Leadership
+from hixl.server.master.master_http import (
     HttpServer,
     MetadataStore,
     add_mooncake_metrics,
     admin_routes,
     fields_line,
 )
-from hixl.server.metadata import LocalJournalBackend, MetadataBackend
+from hixl.server.master.metadata import LocalJournalBackend, MetadataBackend
+from hixl.server.master.store import ALLOCATION_STRATEGIES, ObjectStore, StoreOptions
+from hixl.server.master.store_rpc_server import BODY_TIMEOUT_S, CALL_BYTES_BUDGET, StoreCallServer
+from hixl.server.master.store_service import StoreCalls, add_store_service, upkeep_forever
 from hixl.server.mooncake_flags import BoolFlag, FlagError, duration_ms, translate
 from hixl.server.registry import (
     DEFAULT_MAX_TTL_MS,
@@ -75,9 +78,6 @@ from hixl.server.registry import (
     add_registry_service,
     start_expiry,
 )
-from hixl.server.store import ALLOCATION_STRATEGIES, ObjectStore, StoreOptions
-from hixl.server.store_rpc_server import BODY_TIMEOUT_S, CALL_BYTES_BUDGET, StoreCallServer
-from hixl.server.store_service import StoreCalls, add_store_service, upkeep_forever
 from hixl.sizes import parse_size
 from hixl.tls import ENV_CA_FILE, ENV_CERT_FILE, ENV_KEY_FILE, ServerTLS
 
@@ -631,7 +631,7 @@ def open_backend(config: StoreConfig, port: int) -> MetadataBackend | None:
     or when etcd cannot be reached."""
     etcd = etcd_settings(config)
     if etcd is not None:
-        from hixl.server.etcd_metadata import DEFAULT_WRITER_TTL_S, EtcdMetadataBackend
+        from hixl.server.master.etcd_metadata import DEFAULT_WRITER_TTL_S, EtcdMetadataBackend
         try:
             # a master killed a moment ago still holds the claim until its lease ends
             return EtcdMetadataBackend(etcd, wait_for_writer_s=DEFAULT_WRITER_TTL_S
@@ -706,8 +706,8 @@ class _Takeover:
     def take_over(self, election: Election, client: EtcdClient) -> None:
         """(The candidate's thread.) Load the registry and the store's metadata from
         etcd, writes fenced on this leadership, and make them what the front ends serve."""
-        from hixl.server.etcd_metadata import EtcdMetadataBackend
-        from hixl.server.etcd_registry import EtcdRegistry
+        from hixl.server.master.etcd_metadata import EtcdMetadataBackend
+        from hixl.server.master.etcd_registry import EtcdRegistry
 
         def fence() -> list[Compare]:  # every write lands only while this master leads
             return [election.fence()]
@@ -765,7 +765,7 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
     if etcd is None:
         registry = Registry(max_ttl_ms=config.max_lease_ttl_ms)
     else:
-        from hixl.server.etcd_registry import EtcdRegistry
+        from hixl.server.master.etcd_registry import EtcdRegistry
         registry = EtcdRegistry(max_ttl_ms=config.max_lease_ttl_ms,
                                 switch_s=config.store.etcd_lease_ttl)
     leadership = Leadership() if etcd is not None else None
@@ -935,7 +935,7 @@ def _other_port_refusal(config: MasterConfig) -> str:
 def start_http(config: MasterConfig, registry: Registry, store: Callable[[], ObjectStore],
                results: dict[tuple[str, int], int], fast: StoreCallServer | None,
                leadership: Leadership | None) -> list[Any]:
-    """The HTTP side the settings ask for (server/master_http.py): the admin server on
+    """The HTTP side the settings ask for (server/master/master_http.py): the admin server on
     metrics_port, the metadata server with enable_http_metadata_server; what was started
     (to close), or ConfigError naming the setting whose port cannot be bound."""
     def health() -> tuple[bool, dict[str, Any]]:

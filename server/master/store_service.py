@@ -1,9 +1,9 @@
-"""The gRPC `Master` service: a thin skin over an ObjectStore (server/store.py).
+"""The gRPC `Master` service: a thin skin over an ObjectStore (server/master/store.py).
 
 Outcomes travel as ErrorCode values inside the replies (one per key in batch calls), so
 a call only fails as a call when something is wrong with the call itself. `StoreCalls`
 maps each request message to the store and back, for both front ends: this gRPC
-servicer and the call endpoint (server/store_rpc_server.py). Calls that cannot block
+servicer and the call endpoint (server/master/store_rpc_server.py). Calls that cannot block
 run inline on the event loop (no thread hop); with a data dir, calls that may wait for
 an fsync, and those that scan every key, run in worker threads so the event loop keeps
 serving (the registry on the same server included).
@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from hixl.errors import HixlError, ParamInvalid
-from hixl.server.store import ObjectStore
+from hixl.server.master.store import ObjectStore
 from hixl.store_client import (
     PutStartResult,
     ReserveResult,
@@ -96,7 +96,7 @@ class StoreCalls:
     """Request message -> ObjectStore call -> reply message, one method per Master RPC.
 
     The one place that maps the wire to the store, shared by both front ends: the gRPC
-    servicer (`MasterServicer`) and the call endpoint (`hixl.server.store_rpc_server`),
+    servicer (`MasterServicer`) and the call endpoint (`hixl.server.master.store_rpc_server`),
     which passes the same store_pb2 messages. Each method is plain and blocking; it may
     wait for the journal's fsync when the store is persistent (`MAY_BLOCK`).
     Thread-safe: the store is, and the tally takes a lock.

@@ -1,6 +1,6 @@
 """Where the KV store's committed metadata lives: `MetadataBackend` and its implementations.
 
-`ObjectStore` (server/store.py) keeps its whole index in memory; a backend makes the
+`ObjectStore` (server/master/store.py) keeps its whole index in memory; a backend makes the
 *committed* part of it (mounted segments and committed objects) survive the master.
 Puts in progress, leases, soft pins and clients are never stored. Today's backend is
 `LocalJournalBackend` (a data dir: snapshot + append-only journal, group commit); an

@@ -1,6 +1,6 @@
 """The store's committed metadata on etcd: `EtcdMetadataBackend` (issue 8).
 
-The same contract as the local journal (server/metadata.py's docstring), on `hixl.etcd`:
+The same contract as the local journal (server/master/metadata.py's docstring), on `hixl.etcd`:
 the committed state lives as keys under the cluster's prefix, so it outlives the master
 and its host, and several hixl clusters share one etcd under different prefixes.
 
@@ -41,7 +41,7 @@ put or a delete, so `hixl.etcd`'s retry of a txn cut off mid-flight is harmless.
 **Fencing.** The backend claims `store/writer` with expect-absent under a lease it keeps
 alive; a second backend on the prefix is refused (ConfigError naming the prefix), after
 waiting `wait_for_writer_s` for a dead writer's lease to end -- unless `take_over`: a
-master that won the election (server/leadership.py) deletes the old claim at once, which
+master that won the election (server/master/leadership.py) deletes the old claim at once, which
 is safe because every txn of the old writer compares the claim's create revision, so
 none lands once the claim is gone or re-made. Every txn compares the
 writer key's create revision, plus whatever `fence()` returns (part 4: the election's
@@ -88,7 +88,7 @@ from hixl.etcd import (
     TxnOp,
     key_part,
 )
-from hixl.server.metadata import LoadedState, MetadataBackend, Record, State
+from hixl.server.master.metadata import LoadedState, MetadataBackend, Record, State
 
 log = logging.getLogger("hixl.store")
 
