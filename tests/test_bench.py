@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from hixl.processes import DaemonProcess
 from hixl.tools import bench, cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -132,20 +133,15 @@ def test_plot_is_refused_before_the_run(tmp_path, monkeypatch, capsys) -> None:
 
 def test_bench_against_a_raw_peer_started_separately() -> None:
     """--raw-peer: the raw stream server runs on its own (as on another node), TCP only."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "hixl.tools.bench", "--raw-server", "--tcp", "127.0.0.1:0",
-         "--buffer", str(1 << 20), "--forever"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout is not None
-        ready = server.stdout.readline().split()
+    with DaemonProcess(
+            [sys.executable, "-m", "hixl.tools.bench", "--raw-server", "--tcp",
+             "127.0.0.1:0", "--buffer", str(1 << 20), "--forever"],
+            name="raw stream server", ready=bench.RAW_READY) as server:
+        ready = server.wait_ready().split()
         assert ready[0] == bench.RAW_READY
         peer = f"127.0.0.1:{ready[1]}"
         report, _ = _run("--raw-peer", peer, "--local", "127.0.0.1", "--paths", "socket",
                          "--modes", "sync", "--no-hixl-style", "--mooncake", "off")
-    finally:
-        server.kill()
-        server.wait(10)
     assert report["raw_peer"] == peer and report["socket_baseline"] == "raw-tcp"
     assert report["paths"] == {"socket": {"route": "unix"}}
     baselines = {(c["name"], c["op"], c["block"], c["batch"]) for c in report["cells"]

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from test_fuzz_data_server import recv_exact_or_eof as recv_exact
 
 from hixl import errors, wire
 from hixl.memory import ShmSegment
+from hixl.processes import DaemonProcess
 from hixl.server.agent import data_server
 from hixl.server.agent.agent import Agent
 from hixl.server.agent.data_server import DataServer
@@ -492,19 +494,14 @@ server.stop()
 def agent_process(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_AGENT_")}
     env["HIXL_FASTWIRE"] = request.param
-    proc = subprocess.Popen([sys.executable, "-c", AGENT_SCRIPT, str(tmp_path / "run")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line, "the agent did not start"
-    info = json.loads(line)
-    built = importlib.util.find_spec("hixl._fastwire") is not None
-    assert info["fast"] == (request.param == "1" and built)
-    yield info
-    assert proc.stdin is not None
-    proc.stdin.close()
-    proc.wait(30)
-    proc.stdout.close()
+    agent = DaemonProcess([sys.executable, "-c", AGENT_SCRIPT, str(tmp_path / "run")],
+                          name="agent", ready=re.compile(r"^\{"), env=env, stop_by="stdin",
+                          grace_s=30.0)
+    with agent:
+        info = json.loads(agent.wait_ready())
+        built = importlib.util.find_spec("hixl._fastwire") is not None
+        assert info["fast"] == (request.param == "1" and built)
+        yield info
 
 
 @pytest.mark.parametrize("client", ["python", "fastwire"])

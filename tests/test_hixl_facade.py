@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-import subprocess
+import re
 import sys
 import textwrap
 import time
@@ -18,7 +18,7 @@ import pytest
 
 import hixl
 from hixl import Hixl, MemDesc, MemType, TransferOp, TransferOpDesc, TransferStatus
-from hixl.processes import free_port
+from hixl.processes import DaemonProcess, free_port
 
 SERVER_BYTES = 1 << 20
 
@@ -48,20 +48,14 @@ SERVER = textwrap.dedent("""
 @pytest.fixture
 def server_engine():
     name = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, name], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    server = DaemonProcess([sys.executable, "-c", SERVER, name], name="server engine",
+                           ready=re.compile(r"^\{"), stop_by="stdin", grace_s=20.0)
     try:
-        line = proc.stdout.readline()
-        assert line, "server engine did not start"
-        yield name, json.loads(line)
+        yield name, json.loads(server.wait_ready())
     finally:
-        proc.stdin.close()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0
+        returncode = server.stop()
+        server.close()
+    assert returncode == 0, server.tail()
 
 
 def test_module_exports_hixl_names() -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
-import signal
 import subprocess
 import sys
 import urllib.parse
@@ -24,6 +22,7 @@ from test_mooncake_master_http import HOST, HixlMaster, _mooncake_master, answer
 
 from hixl.client.mooncake import TransferEngine, TransferNotify, TransferOpcode
 from hixl.client.mooncake.metadata import ETCD_PREFIX
+from hixl.processes import DaemonProcess
 
 DEADLINE_S = 30.0
 SIZE = 64 << 10
@@ -158,13 +157,11 @@ time.sleep(600)
 """
 
 
-def _engine_process(name: str, url: str) -> subprocess.Popen[str]:
-    process = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, name, url],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    assert line == "ready\n", process.stderr.read() if process.stderr else line
-    return process
+def _engine_process(name: str, url: str) -> DaemonProcess:
+    engine = DaemonProcess([sys.executable, "-c", ENGINE_SCRIPT, name, url],
+                           name="transfer engine", ready="ready")
+    engine.wait_ready()
+    return engine
 
 
 @pytest.mark.parametrize("backend", ["http", "etcd"])
@@ -181,8 +178,7 @@ def test_a_name_is_taken_while_its_engine_answers_and_freed_when_it_dies(
         user = TransferEngine()
         assert user.initialize(HOST, url, "tcp", "") == 0
         assert user.send_probe(name) == 0
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait()
+        holder.kill()
         # a killed engine withdrew nothing; its name goes to the next engine that asks
         successor = TransferEngine()
         wait_for(lambda: successor.initialize(name, url, "tcp", "") == 0,
@@ -196,8 +192,7 @@ def test_a_name_is_taken_while_its_engine_answers_and_freed_when_it_dies(
             successor.close()
             user.close()
     finally:
-        holder.kill()
-        holder.wait()
+        holder.close()
 
 
 def test_unknown_names_and_bad_servers_fail_naming_them(hixl_master: HixlMaster) -> None:
