@@ -24,9 +24,7 @@ import ctypes
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from hixl import Engine
+from hixl.processes import DaemonProcess
 from hixl.types import MemType, TransferOp, TransferOpDesc
 
 KiB = 1 << 10
@@ -54,26 +53,14 @@ class Agent:
                     f"runtime_dir: {self.dir}/run\npool_max_bytes: {pool_bytes}\n"
                     f"state_dir: {self.dir}/state\nlog_level: WARNING\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_AGENT_")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "hixl.server.main", "--config", config],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, start_new_session=True)
-        assert self.proc.stdout is not None
-        self.engine = ""
-        for line in self.proc.stdout:
-            if line.startswith("hixl-agent serving"):
-                fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-                self.engine = fields["engine"]
-                break
-        if not self.engine:
-            raise RuntimeError(f"hixl-agent did not start (exit {self.proc.wait(10)})")
+        self.process = DaemonProcess([sys.executable, "-m", "hixl.server.main", "--config", config],
+                                     name="hixl-agent", ready="hixl-agent serving ", env=env,
+                                     start_new_session=True)
+        self.process.wait_ready()
+        self.engine = self.process.ready_fields["engine"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.process.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
