@@ -52,10 +52,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness is a dev tool, ke
 from etcd_cluster import EtcdCluster, etcd_missing  # noqa: E402  (tests/etcd_cluster.py)
 
 from hixl.client.mooncake import MooncakeDistributedStore  # noqa: E402
+from hixl.client.store_client import MasterClient  # noqa: E402
 from hixl.etcd import EtcdClient, Leader  # noqa: E402
 from hixl.processes import DaemonProcess, ProcessNotReady  # noqa: E402
 from hixl.server.master.leadership import ELECTION_NAME  # noqa: E402
-from hixl.store_client import MasterClient  # noqa: E402
 from hixl.store_codes import ErrorCode  # noqa: E402
 from hixl.tools.bench import format_table  # noqa: E402
 from hixl.tools.cli import emit_report  # noqa: E402

@@ -26,8 +26,8 @@ from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.master.store import ObjectStore, StoreOptions
-from hixl.store_client import KeyState, ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.store_types import KeyState, ReplicaConfig, StoreSegment
 from hixl.tools.cli import main
 from hixl.tools.registry_bench import MasterProcess
 

@@ -40,8 +40,8 @@ from hixl.server.master.etcd_metadata import (
 )
 from hixl.server.master.master import StoreConfig, etcd_settings, open_backend, parse_config
 from hixl.server.master.store import ObjectStore, StoreOptions
-from hixl.store_client import ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.store_types import ReplicaConfig, StoreSegment
 from hixl.tools.registry_bench import MasterProcess
 
 MiB = 1 << 20

@@ -42,9 +42,10 @@ from test_fuzz_data_server import assert_replies_well_formed, exchange
 from test_fuzz_wire import assert_frame, chunked, cut_sizes
 
 from hixl import auth, errors, wire
-from hixl.store_client import MasterClient, MasterRpcError, StoreSegment
+from hixl.client.store_client import MasterClient
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import MESSAGES, METHODS, CallConnection
+from hixl.store_types import MasterRpcError, StoreSegment
 from hixl.tools.registry_bench import MasterProcess
 from hixl.v1 import store_pb2
 from hixl.wire import (

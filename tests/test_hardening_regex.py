@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from hixl.client.store_client import MasterClient
 from hixl.server.master.store import MAX_REGEX_WEIGHT
-from hixl.store_client import MasterClient, ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.store_types import ReplicaConfig, StoreSegment
 from hixl.tools.registry_bench import MasterProcess
 
 MiB = 1 << 20

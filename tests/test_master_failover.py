@@ -29,6 +29,7 @@ from conftest import AgentProcess
 from hixl import Engine, wire
 from hixl.client.global_table import GlobalTable
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.store_client import MasterClient
 from hixl.errors import ConfigError, HixlError, NotConnected, ParamInvalid
 from hixl.failover import (
     NOT_LEADER_CODE,
@@ -41,15 +42,9 @@ from hixl.failover import (
 from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.config import AgentConfig
-from hixl.store_client import (
-    MasterClient,
-    MasterNotLeader,
-    MasterRpcError,
-    MasterUnavailable,
-    StoreSegment,
-)
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS, CallConnection, FastPath
+from hixl.store_types import MasterNotLeader, MasterRpcError, MasterUnavailable, StoreSegment
 from hixl.tools.cli import main
 from hixl.tools.registry_bench import MasterProcess
 from hixl.v1 import store_pb2

@@ -30,15 +30,16 @@ from etcd_cluster import EtcdCluster
 from hixl import Engine
 from hixl.client.agent_client import AgentClient
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.store_client import MasterClient
 from hixl.etcd import EtcdClient
 from hixl.failover import LEADER_METADATA_KEY, NOT_LEADER_CODE, NotLeader
 from hixl.registry_client import RegistryClient
 from hixl.server.master.etcd_registry import engine_key
 from hixl.server.master.leadership import ELECTION_NAME
 from hixl.server.master.master import EXIT_DEPOSED
-from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import CallConnection
+from hixl.store_types import StoreSegment
 from hixl.tools.admin import master_roles
 from hixl.tools.cli import main as cli_main
 from hixl.tools.registry_bench import MasterProcess

@@ -32,9 +32,9 @@ from test_master_ha import (
 )
 
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.store_client import MasterClient
 from hixl.processes import DaemonProcess, ProcessNotReady
 from hixl.server.master.store_service import AWAITING_REMOUNT
-from hixl.store_client import MasterClient
 from hixl.store_codes import ErrorCode, code_name, hint_for_code
 from hixl.v1 import store_pb2, store_pb2_grpc
 

@@ -44,8 +44,8 @@ from hixl.server.master.metadata import (
     read_journal,
 )
 from hixl.server.master.store import ObjectStore, StoreOptions
-from hixl.store_client import KeyState, ReplicaConfig, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.store_types import KeyState, ReplicaConfig, StoreSegment
 
 MiB = 1 << 20
 JOIN_S = 60.0           # "does not hang" deadline for threads

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hixl import wire
 from hixl.client.engine import Engine
+from hixl.client.store_client import MasterClient
 from hixl.errors import (
     AuthenticationFailed,
     ConfigError,
@@ -40,9 +41,9 @@ from hixl.memory import buffer_range
 from hixl.processes import free_port
 from hixl.server.config import AgentConfig
 from hixl.server.master.store import StoreOptions
-from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS
+from hixl.store_types import StoreSegment
 from hixl.tools.registry_bench import MasterProcess
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport

@@ -16,10 +16,10 @@ import waiting
 from etcd_cluster import start_cluster_or_skip
 from test_master_process import READY_PREFIX, START_DEADLINE_S, Master
 
+from hixl.client.store_client import MasterClient
 from hixl.errors import HixlError
 from hixl.server.master.master import MasterConfig, StoreConfig, etcd_settings, parse_config
 from hixl.server.mooncake_flags import UNUSED
-from hixl.store_client import MasterClient
 
 #: one setting in every spelling gflags (and argparse) takes
 SPELLINGS = [

@@ -35,8 +35,8 @@ from hixl.client.mooncake import (
     SoftPinAction,
 )
 from hixl.client.mooncake.store import mooncake_size as parse_size
+from hixl.client.store_client import MasterClient
 from hixl.processes import free_port
-from hixl.store_client import MasterClient
 from hixl.store_codes import ErrorCode
 from hixl.tools.registry_bench import MasterProcess
 

@@ -18,10 +18,11 @@ from test_operator_visibility import master_process
 
 from hixl.client.engine import Engine
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.store_client import MasterClient
 from hixl.errors import WrongServer
 from hixl.registry_client import RegistryClient
-from hixl.store_client import MasterClient, MasterRpcError, MasterWrongServer
 from hixl.store_codes import ErrorCode
+from hixl.store_types import MasterRpcError, MasterWrongServer
 from hixl.wrong_server import REGISTRY
 
 StartAgent = Callable[..., AgentProcess]

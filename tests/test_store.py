@@ -27,7 +27,8 @@ from hixl.server.master.store import (
     OffsetAllocator,
     StoreOptions,
 )
-from hixl.store_client import (
+from hixl.store_codes import RPC_FAIL, ErrorCode, code_name
+from hixl.store_types import (
     ClientStatus,
     Replica,
     ReplicaConfig,
@@ -35,7 +36,6 @@ from hixl.store_client import (
     SoftPinAction,
     StoreSegment,
 )
-from hixl.store_codes import RPC_FAIL, ErrorCode, code_name
 
 MiB = 1 << 20
 KiB = 1 << 10

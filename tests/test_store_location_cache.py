@@ -17,7 +17,7 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig
-from hixl.store_client import MasterClient
+from hixl.client.store_client import MasterClient
 from hixl.store_codes import ErrorCode
 from hixl.tools.registry_bench import MasterProcess
 from hixl.tools.store_bench import HolderProcess

@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 import waiting
 
+from hixl.client.store_client import MasterClient
 from hixl.server.master.master import MasterConfig, StoreConfig, default_data_dir, parse_config
-from hixl.store_client import (
+from hixl.store_codes import ErrorCode
+from hixl.store_types import (
     ClientStatus,
     MasterAuthenticationFailed,
-    MasterClient,
     MasterRpcError,
     MasterUnavailable,
     ReplicaConfig,
     StoreSegment,
 )
-from hixl.store_codes import ErrorCode
 from hixl.tools.registry_bench import MasterProcess
 
 MiB = 1 << 20

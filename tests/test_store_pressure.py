@@ -21,9 +21,10 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.store_client import MasterClient, ReadGate
 from hixl.server.master.store import ObjectStore, StoreOptions
-from hixl.store_client import MasterClient, ReadGate, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.store_types import StoreSegment
 from hixl.tools.registry_bench import MasterProcess
 from hixl.tools.store_bench import (
     MooncakeMasterProcess,

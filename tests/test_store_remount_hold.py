@@ -24,8 +24,8 @@ import waiting
 
 from hixl.server.master.store import ObjectStore, StoreOptions
 from hixl.server.master.store_service import AWAITING_REMOUNT, Hold, StoreCalls
-from hixl.store_client import StoreSegment
 from hixl.store_codes import ErrorCode, code_name
+from hixl.store_types import StoreSegment
 from hixl.v1 import store_pb2
 
 MiB = 1 << 20

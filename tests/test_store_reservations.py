@@ -23,10 +23,11 @@ import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.store_client import MasterClient
 from hixl.server.master.store import ObjectStore
 from hixl.server.master.store_service import StoreCalls
-from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.store_types import StoreSegment
 from hixl.tools.registry_bench import MasterProcess
 from hixl.tools.store_bench import HolderProcess
 
@@ -233,7 +234,7 @@ def test_a_put_is_one_master_round_trip(master: MasterProcess, holder: HolderPro
 _CHILD = r"""
 import sys, time
 from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig
-from hixl.store_client import PutStartResult
+from hixl.store_types import PutStartResult
 master, key, step, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 value = bytes((i * 7 + 3) % 251 for i in range(size))
 store = MooncakeDistributedStore(setup_timeout=30)

@@ -25,14 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hixl import errors, wire
 from hixl.client.mooncake import MooncakeDistributedStore
+from hixl.client.store_client import MasterClient
 from hixl.logs import request_context
 from hixl.processes import free_port
-from hixl.store_client import (
-    MasterAuthenticationFailed,
-    MasterClient,
-    MasterUnavailable,
-    StoreSegment,
-)
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import (
     MESSAGES,
@@ -42,6 +37,7 @@ from hixl.store_rpc import (
     CallFailed,
     FastPath,
 )
+from hixl.store_types import MasterAuthenticationFailed, MasterUnavailable, StoreSegment
 from hixl.tools.registry_bench import MasterProcess
 from hixl.tools.store_bench import HolderProcess
 from hixl.v1 import store_pb2

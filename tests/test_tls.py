@@ -25,11 +25,12 @@ from conftest import AgentProcess, agent_command, clean_env, master_process
 
 from hixl import Engine, auth, tls
 from hixl.client.agent_client import AgentClient
+from hixl.client.store_client import MasterClient
 from hixl.errors import ConfigError, PeerUnavailable
 from hixl.registry_client import RegistryClient
 from hixl.server.config import AgentConfig
-from hixl.store_client import MasterClient, StoreSegment
 from hixl.store_codes import ErrorCode
+from hixl.store_types import StoreSegment
 from hixl.tls import ClientTLS, ServerTLS
 from hixl.tools import cli
 

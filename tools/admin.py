@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from hixl.client.agent_client import AgentClient
+from hixl.client.store_client import MasterClient
 from hixl.control import DEFAULT_GRPC_PORT, error_from_rpc, open_channel
 from hixl.errors import (
     AuthenticationFailed,
@@ -27,8 +28,8 @@ from hixl.errors import (
 from hixl.failover import leader_hint, parse_addresses
 from hixl.registry_client import EngineInfo, RegistryClient
 from hixl.sizes import format_size
-from hixl.store_client import KeyInfo, MasterClient, MasterRpcError
 from hixl.store_codes import ErrorCode
+from hixl.store_types import KeyInfo, MasterRpcError
 from hixl.tls import TlsSetting
 from hixl.tools.bench import format_table
 from hixl.types import Perm, SegmentInfo

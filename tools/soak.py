@@ -1041,7 +1041,8 @@ def run_soak(config: SoakConfig, progress: IO[str] | None = None) -> dict[str, A
 
 def _store_stats(master: str, timeout: float) -> dict[str, float] | None:
     """The master's store Stats (None if it does not answer)."""
-    from hixl.store_client import MasterClient, MasterRpcError
+    from hixl.client.store_client import MasterClient
+    from hixl.store_types import MasterRpcError
 
     try:
         with MasterClient(master, timeout=timeout) as client:

@@ -453,8 +453,8 @@ class StoreBench(BenchRun):
         return holder.segment
 
     def _open_hixl(self, system: str, master: str) -> Side:
+        from hixl.client.store_client import MasterClient
         from hixl.control import node_identity
-        from hixl.store_client import MasterClient
 
         segment = self._open_holder("hixl", master) if self.config.holders else ""
         try:

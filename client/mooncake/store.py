@@ -57,6 +57,7 @@ from typing import Any
 from hixl import device
 from hixl.client.engine import Engine, MemHandle, parse_engine_name
 from hixl.client.mooncake import tensors
+from hixl.client.store_client import LocationCache, MasterClient, ReadGate, ReservedSpace
 from hixl.control import node_identity
 from hixl.errors import (
     HixlError,
@@ -71,23 +72,19 @@ from hixl.logs import log_failure
 from hixl.memory import ShmSegment, buffer_range, copy_moves, keep_freed_memory, new_bytes
 from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM
 from hixl.sizes import parse_size, split_size
-from hixl.store_client import (
+from hixl.store_codes import MAX_REPLICAS, ErrorCode, code_name, hint_for_code
+from hixl.store_types import (
     ClientStatus,
     GetReplicasResult,
-    LocationCache,
-    MasterClient,
     MasterRpcError,
     MasterUnavailable,
     MasterWrongServer,
     PutStartResult,
-    ReadGate,
     Replica,
     ReplicaConfig,
-    ReservedSpace,
     SoftPinAction,
     StoreSegment,
 )
-from hixl.store_codes import MAX_REPLICAS, ErrorCode, code_name, hint_for_code
 from hixl.table import AddressTable, check_range
 from hixl.types import Perm, TransferOp, TransferOpDesc
 

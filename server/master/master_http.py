@@ -254,7 +254,7 @@ def admin_routes(store: Callable[[], ObjectStore], metrics: CollectorRegistry,
         return _json(200, {"success": True, "data": data})
 
     def all_keys(_: Request) -> Reply:
-        from hixl.store_client import KeyState
+        from hixl.store_types import KeyState
 
         listing = store().list_keys()
         keys = [info.key for info in listing.keys if info.state != KeyState.PUTTING]

@@ -67,7 +67,8 @@ from regex import _regex_core
 from hixl.errors import ConfigError
 from hixl.registry_client import EngineEndpoints
 from hixl.server.master.metadata import LocalJournalBackend, MetadataBackend
-from hixl.store_client import (
+from hixl.store_codes import MAX_REPLICAS, ErrorCode
+from hixl.store_types import (
     ClientStatus,
     CountResult,
     GetReplicasResult,
@@ -88,7 +89,6 @@ from hixl.store_client import (
     SoftPinAction,
     StoreSegment,
 )
-from hixl.store_codes import MAX_REPLICAS, ErrorCode
 
 log = logging.getLogger("hixl.store")
 

@@ -24,7 +24,8 @@ import grpc
 
 from hixl.errors import HixlError, ParamInvalid
 from hixl.server.master.store import ObjectStore
-from hixl.store_client import (
+from hixl.store_codes import ErrorCode
+from hixl.store_types import (
     PutStartResult,
     ReserveResult,
     key_info_to_pb,
@@ -33,7 +34,6 @@ from hixl.store_client import (
     store_segment_from_pb,
     store_segment_to_pb,
 )
-from hixl.store_codes import ErrorCode
 from hixl.v1 import store_pb2, store_pb2_grpc
 
 log = logging.getLogger("hixl.store")
