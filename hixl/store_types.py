@@ -311,16 +311,45 @@ def replica_from_pb(pb: store_pb2.Replica) -> Replica:
                    state=ReplicaState(pb.state) if pb.state in (0, 1) else ReplicaState.INIT)
 
 
+_ENCODED_CONFIGS: dict[ReplicaConfig, store_pb2.ReplicaConfig] = {}
+_CONFIGS_MAX = 256  # distinct configs remembered each way (a client uses a handful)
+
+
 def replica_config_to_pb(config: ReplicaConfig) -> store_pb2.ReplicaConfig:
-    return store_pb2.ReplicaConfig(
-        replica_num=config.replica_num, with_hard_pin=config.with_hard_pin,
-        soft_pin_action=int(config.soft_pin_action), soft_pin_ttl_ms=config.soft_pin_ttl_ms,
-        preferred_segments=list(config.preferred_segments),
-        prefer_alloc_in_same_node=config.prefer_alloc_in_same_node)
+    """The message for `config`; callers pass it into a request (which copies it) and
+    never change it, so one made per config serves every put (bounded: cleared when full)."""
+    pb = _ENCODED_CONFIGS.get(config)
+    if pb is None:
+        pb = store_pb2.ReplicaConfig(
+            replica_num=config.replica_num, with_hard_pin=config.with_hard_pin,
+            soft_pin_action=int(config.soft_pin_action),
+            soft_pin_ttl_ms=config.soft_pin_ttl_ms,
+            preferred_segments=list(config.preferred_segments),
+            prefer_alloc_in_same_node=config.prefer_alloc_in_same_node)
+        if len(_ENCODED_CONFIGS) >= _CONFIGS_MAX:
+            _ENCODED_CONFIGS.clear()
+        _ENCODED_CONFIGS[config] = pb
+    return pb
+
+
+#: decoded configs by their serialized form: every put a client makes carries the same
+#: one, and decoding it costs ten times its lookup here (bounded: cleared when full)
+_DECODED_CONFIGS: dict[bytes, ReplicaConfig] = {}
 
 
 def replica_config_from_pb(pb: store_pb2.ReplicaConfig) -> ReplicaConfig:
     """Decode; an unknown soft pin action is refused (ParamInvalid), not guessed."""
+    key = pb.SerializeToString(deterministic=True)
+    config = _DECODED_CONFIGS.get(key)
+    if config is None:
+        config = _decode_replica_config(pb)
+        if len(_DECODED_CONFIGS) >= _CONFIGS_MAX:
+            _DECODED_CONFIGS.clear()
+        _DECODED_CONFIGS[key] = config
+    return config
+
+
+def _decode_replica_config(pb: store_pb2.ReplicaConfig) -> ReplicaConfig:
     try:
         action = SoftPinAction(pb.soft_pin_action)
     except ValueError:
