@@ -4,6 +4,7 @@ threads, hixl.server.connections) import them from here.
 
 `tune_socket` sets TCP_NODELAY and the per-family buffer sizes (`SOCKET_BUFFERS`);
 `serve_blocking` makes an accepted socket blocking with kernel-enforced I/O deadlines;
+`arm_timeouts` bounds a client's blocking calls by its call's deadline the same way;
 `BufferQueue` walks a list of buffers through partial sendmsg/recvmsg_into calls.
 """
 
@@ -74,6 +75,28 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, option, size)
 
 
+ARM_MIN_S = 0.01  # below this much time left, a blocking call is bounded by all of it
+ARM_MAX_S = 3600.0  # the longest a blocking call waits before it checks the deadline again
+
+
+def arm_timeouts(sock: socket.socket, armed: float, remaining: float) -> float:
+    """Bound a blocking socket's next calls by a deadline `remaining` seconds away, through
+    its kernel timeouts (SO_RCVTIMEO / SO_SNDTIMEO): no poll() around each call, as
+    Python's own socket timeouts add. Returns the timeout set now (`armed`, the one set
+    before, when it still fits: 0 < armed <= remaining and armed >= remaining / 4, so calls
+    with like deadlines pay no system call). It is set to half the time left (all of it
+    below 2 * ARM_MIN_S): a wait never outlasts the deadline, and one that ends early
+    (EAGAIN) is the caller's cue to check its deadline and arm again."""
+    if 0 < armed <= remaining and armed * 4 >= remaining:
+        return armed
+    value = min(remaining / 2, ARM_MAX_S) if remaining > 2 * ARM_MIN_S else remaining
+    seconds = int(value)
+    timeval = struct.pack("ll", seconds, max(int((value - seconds) * 1e6), 0 if seconds else 1))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    return value
+
+
 def serve_blocking(sock: socket.socket, io_timeout: float) -> None:
     """An accepted server socket, tuned and blocking, where any stall longer than
     `io_timeout` fails the call (SO_RCVTIMEO / SO_SNDTIMEO): a dead peer never holds a
@@ -86,5 +109,5 @@ def serve_blocking(sock: socket.socket, io_timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
-__all__ = ["IOV_MAX", "SOCKET_BUFFERS", "Buffer", "BufferQueue", "serve_blocking",
-           "tune_socket"]
+__all__ = ["ARM_MAX_S", "ARM_MIN_S", "IOV_MAX", "SOCKET_BUFFERS", "Buffer", "BufferQueue",
+           "arm_timeouts", "serve_blocking", "tune_socket"]

@@ -26,7 +26,6 @@ import itertools
 import random
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
@@ -36,7 +35,7 @@ from hixl.addresses import split_host_port
 from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid
 from hixl.failover import NotLeader
 from hixl.logs import current_request_id
-from hixl.sockets import tune_socket
+from hixl.sockets import arm_timeouts, tune_socket
 from hixl.v1 import store_pb2
 
 #: method number on the wire -> gRPC method name
@@ -63,9 +62,6 @@ MESSAGES: dict[str, tuple[Any, Any]] = {
 CONNECT_TIMEOUT_S = 0.5
 #: after the endpoint could not be reached: gRPC only for this long (doubling to the max)
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 10.0
-#: a call's kernel timeouts are set again only when they would outlast its deadline by
-#: more than this (a fraction of the time left, plus seconds): at most this late it ends
-ARM_SLACK, ARM_SLACK_S = 1.02, 0.001
 #: connections kept open per client for the next calls (more are opened by concurrent callers)
 MAX_IDLE = 4
 _RECEIVE = 64 << 10
@@ -143,31 +139,25 @@ class CallConnection:
         return bytes(self._reply(deadline)[1])
 
     def _send(self, data: bytes, deadline: float) -> None:
-        self._arm(deadline)
-        try:
-            self.sock.sendall(data)
-        except BlockingIOError:  # SO_SNDTIMEO: the master stopped reading
-            raise TimeoutError("the master took no request bytes before the call's "
-                               "deadline") from None
+        view = memoryview(data)
+        sent = 0
+        while sent < len(view):
+            self._arm(deadline)
+            try:
+                sent += self.sock.send(view[sent:])
+            except BlockingIOError:  # SO_SNDTIMEO, nothing taken: arm again, or give up
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("the master took no request bytes before the "
+                                       "call's deadline") from None
+                self._armed = 0.0
 
     def _arm(self, deadline: float) -> None:
-        """Bound the blocking socket's sends and receives by the call's deadline.
-
-        The socket is blocking with kernel timeouts (SO_SNDTIMEO / SO_RCVTIMEO), so a
-        call costs its send and its receive and no poll() around each (Python's own
-        socket timeouts add a poll and an ioctl per operation). They are set again only
-        when the deadline is nearer than the timeout set by more than ARM_SLACK (so calls
-        with the usual timeout set nothing): a call ends at most that late. A timeout
-        set shorter than the deadline ends a wait early; _receive then arms again."""
+        """Bound the blocking socket's next send or receive by the call's deadline
+        (hixl.sockets.arm_timeouts): a call costs its send and its receive, no poll()."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("the call's deadline passed")
-        if self._armed > left * ARM_SLACK + ARM_SLACK_S or self._armed == 0.0:
-            seconds = int(left)
-            timeval = struct.pack("ll", seconds, int((left - seconds) * 1e6) or 1)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-            self._armed = left
+        self._armed = arm_timeouts(self.sock, self._armed, left)
 
     def _reply(self, deadline: float) -> tuple[wire.Header, memoryview]:
         """The next reply's header and payload (error replies raise)."""
@@ -208,7 +198,7 @@ class CallConnection:
             self._arm(deadline)
             try:
                 count = self.sock.recv_into(into)
-            except BlockingIOError:  # SO_RCVTIMEO: the deadline, or a timeout set shorter
+            except BlockingIOError:  # SO_RCVTIMEO: arm again, or the deadline passed
                 if time.monotonic() >= deadline:
                     raise TimeoutError("no reply before the call's deadline") from None
                 self._armed = 0.0

@@ -36,6 +36,7 @@ from hixl.store_rpc import (
     CallConnection,
     CallFailed,
     FastPath,
+    NotSent,
 )
 from hixl.store_types import MasterAuthenticationFailed, MasterUnavailable, StoreSegment
 from hixl.tools.registry_bench import MasterProcess
@@ -219,10 +220,12 @@ def test_the_method_table_is_the_master_services() -> None:
 class SlowEndpoint:
     """An in-process call endpoint on a real socket, for one connection: it completes the
     handshake, then answers its n-th CALL after `delays[n]` seconds (a missing entry:
-    never) with an empty CodesReply."""
+    never) with an empty CodesReply; with `reads=False` it reads nothing after the
+    handshake."""
 
-    def __init__(self, *delays: float) -> None:
+    def __init__(self, *delays: float, reads: bool = True) -> None:
         self.delays = list(delays)
+        self.reads = reads
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.stop = threading.Event()
@@ -243,6 +246,9 @@ class SlowEndpoint:
                     reply = server.on_hello(action.request_id, body)
                     assert isinstance(reply, wire.Send)
                     sock.sendall(reply.reply)
+                    if not self.reads:
+                        self.stop.wait()
+                        return
                     continue
                 assert isinstance(action, wire.ReadCall)
                 delay = self.delays.pop(0) if self.delays else None
@@ -272,6 +278,23 @@ def test_a_call_nearer_its_deadline_than_the_socket_timeout_ends_at_its_deadline
         with pytest.raises(TimeoutError, match="deadline"):
             call_exist_key(connection, began + 0.3)
         assert time.monotonic() - began < DEADLINE_S / 2  # not the connection's long timeout
+        connection.close()
+    finally:
+        endpoint.close()
+
+
+def test_a_master_that_stops_reading_fails_the_send_at_the_deadline_unsent() -> None:
+    """A request larger than the socket buffers, to an endpoint that takes none of it:
+    the send gives up at the call's deadline, as NotSent (never applied: safe to send
+    again elsewhere)."""
+    endpoint = SlowEndpoint(reads=False)
+    try:
+        connection = CallConnection.open("127.0.0.1", endpoint.port, token=None,
+                                         identity="t", deadline=time.monotonic() + DEADLINE_S)
+        began = time.monotonic()
+        with pytest.raises(NotSent, match="deadline"):
+            connection.call(METHOD_NUMBERS["ExistKey"], b"rid", bytes(32 * MiB), began + 0.5)
+        assert time.monotonic() - began < DEADLINE_S / 2
         connection.close()
     finally:
         endpoint.close()

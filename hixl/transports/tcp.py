@@ -31,7 +31,6 @@ import operator
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -50,7 +49,7 @@ from hixl.errors import (
     TransferTimeout,
 )
 from hixl.memory import load_fastwire
-from hixl.sockets import IOV_MAX, Buffer, BufferQueue, tune_socket
+from hixl.sockets import IOV_MAX, Buffer, BufferQueue, arm_timeouts, tune_socket
 from hixl.transports.base import Item, Transport
 from hixl.types import TransferOp
 
@@ -190,8 +189,6 @@ class _StreamLost(Exception):
 _PEER_GONE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 _DONTWAIT = socket.MSG_DONTWAIT
 _WAITALL = socket.MSG_WAITALL
-_ARM_MIN_S = 0.01  # below this much time left, a blocking call is bounded by all of it
-_ARM_MAX_S = 3600.0  # the longest a blocking call waits before it checks the deadline again
 _WRITE, _READ = int(wire.Op.WRITE), int(wire.Op.READ)
 _monotonic = time.monotonic
 
@@ -350,22 +347,12 @@ class _Connection:
         return None
 
     def _arm(self, deadline: float) -> None:
-        """Bound the next blocking call by the deadline: SO_RCVTIMEO/SO_SNDTIMEO of at
-        most the time left (half of it, down to _ARM_MIN_S, so calls with similar
-        deadlines find it set and pay no system call; a wait that ends early just re-arms).
+        """Bound the next blocking call by the deadline (hixl.sockets.arm_timeouts).
         Raises _StreamLost("timeout") once the deadline has passed."""
         remaining = deadline - _monotonic()
         if remaining <= 0:
             raise self._lost("timeout", "deadline passed")
-        armed = self._armed
-        if 0 < armed <= remaining and armed * 4 >= remaining:
-            return
-        value = min(remaining / 2, _ARM_MAX_S) if remaining > 2 * _ARM_MIN_S else remaining
-        seconds = int(value)
-        timeval = struct.pack("ll", seconds, max(int((value - seconds) * 1e6), 0 if seconds else 1))
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        self._armed = value
+        self._armed = arm_timeouts(self.sock, self._armed, remaining)
 
     def _send_rest(self, buffers: Sequence[Buffer], sent: int, deadline: float) -> None:
         """Finish a blocking send that `sendmsg` cut short after `sent` bytes."""
