@@ -410,10 +410,10 @@ class TransferRequest:
 
 
 def embedded_agent_config(**fields: Any) -> Any:
-    """An agent configuration (hixl.server.config.AgentConfig of `fields`) for an agent
+    """An agent configuration (hixl.server.agent.config.AgentConfig of `fields`) for an agent
     embedded in this process: `Engine(..., agent_config=...)`. With
     Engine._start_embedded_agent, the SDK's one way into hixl.server."""
-    from hixl.server.config import AgentConfig
+    from hixl.server.agent.config import AgentConfig
 
     return AgentConfig(**fields)
 

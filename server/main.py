@@ -31,7 +31,7 @@ def build_agent_parser() -> argparse.ArgumentParser:
     `--grpc_port` and gflags' spellings too), derived from AgentConfig.KEYS, so a key
     added later is a flag, a YAML key and a HIXL_AGENT_* variable at once."""
     from hixl import __version__
-    from hixl.server.config import ENV_PREFIX, AgentConfig
+    from hixl.server.agent.config import ENV_PREFIX, AgentConfig
     from hixl.server.mooncake_flags import BoolFlag
 
     parser = argparse.ArgumentParser(
@@ -74,7 +74,7 @@ def parse_agent_argv(argv: list[str]) -> argparse.Namespace:
 
 def agent_main(argv: list[str] | None = None) -> int:
     """The hixl-agent console script."""
-    from hixl.server.config import AgentConfig, prepare_runtime_dir
+    from hixl.server.agent.config import AgentConfig, prepare_runtime_dir
 
     try:
         args = parse_agent_argv(sys.argv[1:] if argv is None else argv)

@@ -34,7 +34,7 @@ from hixl.client.agent_client import AgentClient, FdClient
 from hixl.control import error_from_rpc, segments_from_columns, segments_to_columns
 from hixl.errors import AuthenticationFailed, ConfigError, ParamInvalid, PermissionDenied
 from hixl.memory import Mapping, ShmSegment
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 from hixl.tools import admin
 from hixl.transports.base import Item
 from hixl.transports.fabric import FabricTransport

@@ -29,7 +29,7 @@ from hixl.client.agent_client import AgentClient
 from hixl.control import error_from_rpc
 from hixl.errors import ConfigError
 from hixl.registry_client import RegistryClient
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 from hixl.transports.tcp import SocketTransport
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2, agent_pb2_grpc

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hixl.errors import ConfigError, ParamInvalid
-from hixl.server.config import AgentConfig, PoolEntry, default_runtime_dir, parse_size
+from hixl.server.agent.config import AgentConfig, PoolEntry, default_runtime_dir
+from hixl.sizes import parse_size
 from hixl.types import Perm
 
 
@@ -223,7 +224,7 @@ def test_load_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_prepare_runtime_dir_creates_it_private_and_refuses_what_others_control(
         tmp_path: Path) -> None:
-    from hixl.server.config import prepare_runtime_dir
+    from hixl.server.agent.config import prepare_runtime_dir
 
     fresh = tmp_path / "a" / "run"
     prepare_runtime_dir(str(fresh))

@@ -27,7 +27,8 @@ from hixl.client.agent_client import AgentClient
 from hixl.errors import ConfigError
 from hixl.processes import DaemonProcess, ProcessNotReady
 from hixl.registry_client import RegistryClient
-from hixl.server.config import AgentConfig, convert_key, keys_from_parser
+from hixl.server.agent.config import AgentConfig
+from hixl.server.config import convert_key, keys_from_parser
 from hixl.server.main import build_agent_parser
 from hixl.server.master import master as master_module
 from hixl.server.master.master import MasterConfig, build_parser, parse_config

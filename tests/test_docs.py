@@ -11,7 +11,8 @@ import pytest
 
 from hixl import errors, store_codes
 from hixl.client.mooncake import transfer_engine
-from hixl.server.config import DEFAULT_GRPC_PORT, AgentConfig
+from hixl.control import DEFAULT_GRPC_PORT
+from hixl.server.agent.config import AgentConfig
 from hixl.server.master.master import DEFAULT_PORT as MASTER_PORT
 from hixl.server.master.master import MasterConfig
 

@@ -475,7 +475,7 @@ def test_deregistering_under_lone_ops_never_touches_unmapped_memory(served: Serv
 
 AGENT_SCRIPT = r"""
 import json, sys
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 from hixl.server.agent.runtime import AgentServer
 from hixl.transports import tcp
 server = AgentServer(AgentConfig(host="127.0.0.1", grpc_port=0, runtime_dir=sys.argv[1],

@@ -57,7 +57,7 @@ SEGMENTS = [(4096, 16384, Perm.RW), (20544, 100, Perm.READ), (20708, 4000, Perm.
 AGENT_SCRIPT = r"""
 import json, logging, random, sys
 from hixl.memory import ShmSegment
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 from hixl.server.agent.runtime import AgentServer
 from hixl.types import Perm
 

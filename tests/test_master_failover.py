@@ -41,7 +41,7 @@ from hixl.failover import (
 )
 from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS, CallConnection, FastPath
 from hixl.store_types import MasterNotLeader, MasterRpcError, MasterUnavailable, StoreSegment

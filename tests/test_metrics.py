@@ -39,7 +39,7 @@ from hixl.errors import (
 )
 from hixl.memory import buffer_range
 from hixl.processes import free_port
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 from hixl.server.master.store import StoreOptions
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS

@@ -16,8 +16,8 @@ import yaml
 from conftest import TEST_STATE_DIR
 from prometheus_client import CollectorRegistry, generate_latest
 
+from hixl.server.agent.config import AgentConfig
 from hixl.server.agent.runtime import AgentServer
-from hixl.server.config import AgentConfig
 from hixl.server.master.leadership import Leadership
 from hixl.server.master.master import MasterConfig, ObjectStore, metrics_registry
 from hixl.server.registry import Registry

@@ -17,7 +17,7 @@ import yaml
 from conftest import READY_PREFIX, clean_env, parse_ready, start_agent
 
 from hixl.client.agent_client import AgentClient
-from hixl.server.config import ENV_PREFIX, AgentConfig, PoolEntry
+from hixl.server.agent.config import ENV_PREFIX, AgentConfig, PoolEntry
 from hixl.server.main import COMMAND_ONLY, build_agent_parser, parse_agent_argv
 from hixl.types import Perm
 

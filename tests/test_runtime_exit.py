@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from hixl.server.agent import runtime
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 
 
 def _config(runtime_dir: Path) -> AgentConfig:
@@ -39,7 +39,7 @@ def test_the_exit_hook_stops_background_agents(tmp_path: Path) -> None:
 def test_a_process_exiting_with_an_open_agent_stops_it_cleanly(tmp_path: Path) -> None:
     script = f"""
 from hixl.server.agent.runtime import AgentServer
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 AgentServer(AgentConfig(host="127.0.0.1", grpc_port=0, runtime_dir={str(tmp_path / 'run')!r},
                         pool=[], log_level="WARNING")).start()
 print("serving", flush=True)

@@ -28,7 +28,7 @@ from hixl.client.agent_client import AgentClient
 from hixl.client.store_client import MasterClient
 from hixl.errors import ConfigError, PeerUnavailable
 from hixl.registry_client import RegistryClient
-from hixl.server.config import AgentConfig
+from hixl.server.agent.config import AgentConfig
 from hixl.store_codes import ErrorCode
 from hixl.store_types import StoreSegment
 from hixl.tls import ClientTLS, ServerTLS

@@ -44,10 +44,11 @@ from hixl.registry_client import (
     owner_key_from_secret,
 )
 from hixl.server.agent.agent import Agent
+from hixl.server.agent.config import AgentConfig, prepare_runtime_dir
 from hixl.server.agent.data_server import Peer
 from hixl.server.agent.fd_server import FdServer, TicketBook, prepare_socket_path
 from hixl.server.agent.grpc_service import AgentServicer, Endpoints, RegistryState
-from hixl.server.config import AgentConfig, bind_failure, prepare_runtime_dir, probe_bind
+from hixl.server.config import bind_failure, probe_bind
 from hixl.types import SegmentInfo
 from hixl.v1 import agent_pb2_grpc
 from hixl.wrong_server import NOT_HTTP2
