@@ -1087,14 +1087,9 @@ class Engine:
             except Exception as exc:
                 _failed(peer, peer.fabric_traffic[op], exc)  # type: ignore[index]
                 raise
-            if not socket_items:  # the usual call, one path: _account and Traffic.add, inlined
-                seconds = _monotonic() - start
-                traffic = peer.fabric_traffic[op]  # type: ignore[index]
-                traffic.ops += len(fabric_items)
-                traffic.bytes += nbytes
-                latency = traffic.latency
-                latency.buckets[int(seconds * 1e6).bit_length()] += 1
-                latency.sum += seconds
+            if not socket_items:  # the usual call, one path: _account's first case
+                peer.fabric_traffic[op].add(  # type: ignore[index]
+                    len(fabric_items), nbytes, _monotonic() - start)
                 return
         if socket_items:
             try:
