@@ -35,8 +35,9 @@ from hixl.addresses import split_host_port
 from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid
 from hixl.failover import NotLeader
 from hixl.logs import current_request_id
-from hixl.sockets import arm_timeouts, tune_socket
+from hixl.sockets import tune_socket
 from hixl.v1 import store_pb2
+from hixl.wire_client import DeadlineSocket, Refused, handshake
 
 #: method number on the wire -> gRPC method name
 METHODS: dict[int, str] = {1: "PutStart", 2: "PutEnd", 3: "PutRevoke", 4: "GetReplicas",
@@ -85,11 +86,11 @@ class CallConnection:
     def __init__(self, sock: socket.socket, address: str) -> None:
         self.sock = sock
         self.address = address
+        self._io = DeadlineSocket(sock)
         self._proto = wire.ClientProtocol()
         self._buffer = bytearray(_RECEIVE)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
-        self._armed = 0.0  # the kernel timeouts set on the socket now (s; 0: none yet)
 
     @classmethod
     def open(cls, host: str, port: int, *, token: bytes | None, identity: str,
@@ -102,24 +103,19 @@ class CallConnection:
             raise TimeoutError("no time left to connect")
         sock = socket.create_connection((host, port), timeout=min(left, CONNECT_TIMEOUT_S))
         try:
-            sock.settimeout(None)  # blocking, bounded by kernel timeouts: see _arm
             tune_socket(sock)
             connection = cls(sock, f"{host}:{port}")
-            connection._handshake(token, identity.encode("utf-8")[:wire.MAX_HELLO], deadline)
+            handshake(connection._io, connection._proto, identity.encode("utf-8"), token,
+                      deadline)
+        except Refused as refused:
+            sock.close()
+            if isinstance(refused.error, AuthenticationFailed):
+                raise refused.error from None
+            raise CallFailed(str(refused), status=refused.error.status) from None
         except BaseException:
             sock.close()
             raise
         return connection
-
-    def _handshake(self, token: bytes | None, identity: bytes, deadline: float) -> None:
-        proto = self._proto
-        self._send(proto.hello(identity), deadline)
-        _, payload = self._reply(deadline)
-        if proto.challenged:
-            self._send(proto.auth(token, payload), deadline)
-            _, payload = self._reply(deadline)
-            assert token is not None  # auth() refused to answer without one
-            proto.check_server_proof(token, payload)
 
     def stale(self) -> bool:
         """True when the master closed this connection (or sent what nobody asked for)
@@ -139,25 +135,11 @@ class CallConnection:
         return bytes(self._reply(deadline)[1])
 
     def _send(self, data: bytes, deadline: float) -> None:
-        view = memoryview(data)
-        sent = 0
-        while sent < len(view):
-            self._arm(deadline)
-            try:
-                sent += self.sock.send(view[sent:])
-            except BlockingIOError:  # SO_SNDTIMEO, nothing taken: arm again, or give up
-                if time.monotonic() >= deadline:
-                    raise TimeoutError("the master took no request bytes before the "
-                                       "call's deadline") from None
-                self._armed = 0.0
-
-    def _arm(self, deadline: float) -> None:
-        """Bound the blocking socket's next send or receive by the call's deadline
-        (hixl.sockets.arm_timeouts): a call costs its send and its receive, no poll()."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the call's deadline passed")
-        self._armed = arm_timeouts(self.sock, self._armed, left)
+        try:
+            self._io.send_all(data, deadline)
+        except TimeoutError:
+            raise TimeoutError("the master took no request bytes before the call's "
+                               "deadline") from None
 
     def _reply(self, deadline: float) -> tuple[wire.Header, memoryview]:
         """The next reply's header and payload (error replies raise)."""
@@ -194,18 +176,12 @@ class CallConnection:
         return header, payload
 
     def _receive(self, into: memoryview, deadline: float) -> int:
-        while True:
-            self._arm(deadline)
-            try:
-                count = self.sock.recv_into(into)
-            except BlockingIOError:  # SO_RCVTIMEO: arm again, or the deadline passed
-                if time.monotonic() >= deadline:
-                    raise TimeoutError("no reply before the call's deadline") from None
-                self._armed = 0.0
-                continue
-            if not count:
-                raise ConnectionResetError("the master closed the connection")
-            return count
+        try:
+            return self._io.recv_into(into, deadline)
+        except TimeoutError:
+            raise TimeoutError("no reply before the call's deadline") from None
+        except ConnectionResetError:
+            raise ConnectionResetError("the master closed the connection") from None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

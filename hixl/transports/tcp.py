@@ -52,6 +52,7 @@ from hixl.memory import load_fastwire
 from hixl.sockets import IOV_MAX, Buffer, BufferQueue, arm_timeouts, tune_socket
 from hixl.transports.base import Item, Transport
 from hixl.types import TransferOp
+from hixl.wire_client import DeadlineSocket, Refused, handshake
 
 log = logging.getLogger("hixl.data")
 
@@ -1017,35 +1018,28 @@ class SocketTransport(Transport):
                 reason = "connection refused (no agent listening there)"
             raise PeerUnavailable(f"cannot connect to {self.address}: {reason}") from None
         conn = _Connection(sock, self._fast)
-        challenge = bytearray(auth.NONCE_SIZE)  # filled only if the agent asks for the token
-        frames = _Frames([-1], [conn.proto.hello(self._identity, runs=True)], None, [memoryview(challenge)])
         try:
-            refusals = conn.exchange(frames, limit)
-            if not refusals and conn.proto.challenged:
-                proof = bytearray(auth.PROOF_SIZE)
-                frames = _Frames([-1], [conn.proto.auth(self._token, bytes(challenge))], None,
-                                 [memoryview(proof)])
-                refusals = conn.exchange(frames, limit)
-                if not refusals:
-                    assert self._token is not None
-                    conn.proto.check_server_proof(self._token, proof)
-        except _StreamLost as lost:
+            handshake(DeadlineSocket(sock), conn.proto, self._identity, self._token, limit,
+                      runs=True)
+        except TimeoutError:
             conn.close()
-            cls = timeout_error if lost.kind == "timeout" else PeerUnavailable
-            raise cls(f"handshake with {self.address} failed: {lost}") from None
+            raise timeout_error(f"handshake with {self.address} failed: deadline passed") \
+                from None
+        except (OSError, wire.ProtocolError) as exc:
+            conn.close()
+            raise PeerUnavailable(f"handshake with {self.address} failed: {exc}") from None
         except AuthenticationFailed as exc:
             conn.close()
             raise AuthenticationFailed(f"data port {self.address}: {exc.args[0]}") from None
+        except Refused as refused:
+            conn.close()
+            if isinstance(refused.error, AuthenticationFailed):
+                raise AuthenticationFailed(f"data port {self.address} refused this client: "
+                                           f"{refused}") from None
+            raise refused.error from None
         except BaseException:
             conn.close()
             raise
-        if refusals:
-            conn.close()
-            error = refusals[0][1]
-            if isinstance(error, AuthenticationFailed):
-                raise AuthenticationFailed(f"data port {self.address} refused this client: "
-                                           f"{error.args[0]}")
-            raise error
         log.debug("data connection to %s open", self.address)
         return conn
 
