@@ -59,8 +59,7 @@ from hixl.server.master.leadership import ELECTION_NAME  # noqa: E402
 from hixl.store_codes import ErrorCode  # noqa: E402
 from hixl.tools.bench import format_table  # noqa: E402
 from hixl.tools.cli import emit_report  # noqa: E402
-from hixl.tools.registry_bench import MasterProcess  # noqa: E402
-from hixl.tools.store_bench import HolderProcess  # noqa: E402
+from hixl.tools.daemons import HolderProcess, MasterProcess  # noqa: E402
 
 MiB = 1 << 20
 WAIT_S = 60.0        # the most one switch may take before the bench gives up

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # the harness is a dev tool, ke
 import netns  # noqa: E402  (tests/netns.py)
 
 from hixl.processes import DaemonProcess, ProcessNotReady  # noqa: E402
-from hixl.tools import bench, cli, store_bench  # noqa: E402
+from hixl.tools import bench, cli, daemons, store_bench  # noqa: E402
 
 RAW_PORT = 50170
 STORE_MASTER_PORT = 50171  # host B's hixl-master
@@ -167,8 +167,8 @@ def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
                    "WARNING", f"-default_kv_lease_ttl={store_bench.LEASE_TTL_MS}"],
                MASTER_READY, f"hixl-master on {b}")
         master_at = f"{b.ip}:{STORE_MASTER_PORT}"
-        _start(b, store_bench.holder_command("hixl", master_at, b.ip, segment),
-               store_bench.HOLDER_READY, f"hixl segment holder on {b}")
+        _start(b, daemons.holder_command("hixl", master_at, b.ip, segment),
+               daemons.HOLDER_READY, f"hixl segment holder on {b}")
         extra = ["--master", master_at, "--local", a.ip, "--no-holder"]
         why_not = None if config.mooncake else "off"
         why_not = why_not or store_bench.mooncake_store_unavailable()
@@ -188,8 +188,8 @@ def run_store(bench_args: list[str], keep_logs: bool) -> dict[str, Any]:
                      ).returncode != 0:
                 raise netns.HarnessError(f"mooncake_master on {b} did not start")
             mooncake_at = f"{b.ip}:{MOONCAKE_MASTER_PORT}"
-            _start(b, store_bench.holder_command("mooncake", mooncake_at, b.ip, segment),
-                   store_bench.HOLDER_READY, f"Mooncake segment holder on {b}", env=quiet)
+            _start(b, daemons.holder_command("mooncake", mooncake_at, b.ip, segment),
+                   daemons.HOLDER_READY, f"Mooncake segment holder on {b}", env=quiet)
             extra += ["--mooncake-master", mooncake_at]
         elif why_not == "off":
             extra.append("--no-mooncake")

@@ -48,7 +48,7 @@ import numpy as np
 
 from hixl import wire
 from hixl.client.engine import Engine
-from hixl.tools.bench import AgentProcess
+from hixl.tools.daemons import AgentProcess
 from hixl.transports import tcp
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport

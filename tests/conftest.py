@@ -42,7 +42,7 @@ from etcd_cluster import EtcdCluster, start_cluster_or_skip
 from hixl.auth import load_token
 from hixl.client.agent_client import AgentClient, AgentInfo
 from hixl.processes import DaemonProcess, ProcessNotReady
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 READY_PREFIX = "hixl-agent serving "
 START_TIMEOUT_S = 30.0

@@ -38,7 +38,7 @@ from hixl.processes import free_port
 from hixl.registry_client import RegistryClient
 from hixl.server.agent.config import AgentConfig
 from hixl.server.agent.runtime import AgentServer
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.types import MemType, Perm
 from hixl.v1 import agent_pb2, agent_pb2_grpc
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hixl.tools import cli, store_bench
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.tools.store_bench import StoreBench, StoreBenchConfig, StoreBenchFailure, verify
 
 pytestmark = pytest.mark.timeout(240)

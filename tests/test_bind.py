@@ -19,7 +19,7 @@ import pytest
 from conftest import AgentProcess, clean_env
 
 from hixl.processes import free_port
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 LISTEN = "0A"                 # TCP_LISTEN in /proc/net/tcp
 UNIX_ACCEPTING = 0x10000      # __SO_ACCEPTCON in /proc/net/unix flags

@@ -29,7 +29,7 @@ from hixl.server.master.store import ObjectStore, StoreOptions
 from hixl.store_codes import ErrorCode
 from hixl.store_types import KeyState, ReplicaConfig, StoreSegment
 from hixl.tools.cli import main
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 StartAgent = Callable[..., AgentProcess]
 

@@ -694,7 +694,7 @@ def test_the_store_refuses_a_device_buffer_even_where_the_engine_serves_device_m
     """The engine takes device memory once a copier serves it; the store's put_from /
     get_into copy registered buffers on the host, so its register_buffer must still
     refuse one (INVALID_PARAMS naming the device), and nothing is stored."""
-    from hixl.tools.registry_bench import MasterProcess
+    from hixl.tools.daemons import MasterProcess
 
     source = tmp_path / "fake_cuda.c"
     source.write_text(FAKE_DRIVER_C)

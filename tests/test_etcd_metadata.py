@@ -42,7 +42,7 @@ from hixl.server.master.master import StoreConfig, etcd_settings, open_backend, 
 from hixl.server.master.store import ObjectStore, StoreOptions
 from hixl.store_codes import ErrorCode
 from hixl.store_types import ReplicaConfig, StoreSegment
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 MiB = 1 << 20
 WAIT_S = 30.0   # the most any wait for an expected event may take (not a speed claim)

@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from hixl.control import ERROR_KEY
 from hixl.store_codes import ErrorCode
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.v1 import agent_pb2, agent_pb2_grpc, store_pb2, store_pb2_grpc
 
 CALL_TIMEOUT_S = 20.0  # proves "does not hang"; nothing is timed

@@ -46,7 +46,7 @@ from hixl.client.store_client import MasterClient
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import MESSAGES, METHODS, CallConnection
 from hixl.store_types import MasterRpcError, StoreSegment
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.v1 import store_pb2
 from hixl.wire import (
     HEADER,

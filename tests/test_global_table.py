@@ -25,7 +25,7 @@ from hixl.errors import AuthenticationFailed
 from hixl.processes import free_port
 from hixl.registry_client import EngineEndpoints, EngineInfo, RegistryClient
 from hixl.server.registry import SNAPSHOT_CHUNK, EventKind, Registry, RegistryEvent
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.types import MemType, Perm, SegmentInfo
 
 pytestmark = pytest.mark.timeout(180)

@@ -18,7 +18,7 @@ from hixl.client.store_client import MasterClient
 from hixl.server.master.store import MAX_REGEX_WEIGHT
 from hixl.store_codes import ErrorCode
 from hixl.store_types import ReplicaConfig, StoreSegment
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 MiB = 1 << 20
 #: what the attack grew the master by before the bound (measured: ~800 MiB); the

@@ -15,7 +15,7 @@ import pytest
 
 from hixl.errors import ConfigError
 from hixl.memory import KEEP_FREED_ENV, PAGE_SIZE, _tune_malloc
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from tests.test_mooncake_store import Worker, master, pattern, sha, workers  # noqa: F401
 
 MiB = 1 << 20

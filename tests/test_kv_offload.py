@@ -24,9 +24,9 @@ import pytest
 import waiting
 
 from hixl.errors import ParamInvalid
+from hixl.tools.daemons import MasterProcess
 from hixl.tools.kv_offload import KvLayout, bad_pages, fill_page, page_ok, top_k_blocks
 from hixl.tools.kv_offload_bench import KvBenchConfig, add_parser
-from hixl.tools.registry_bench import MasterProcess
 from hixl.tools.shmem_run import JobResult, run_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,7 +19,7 @@ from hixl import errors, logs
 from hixl.client.agent_client import AgentClient
 from hixl.errors import ParamInvalid, ResourceExhausted
 from hixl.registry_client import RegistryClient
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 DEADLINE_S = 10.0
 REQUEST_RE = re.compile(r"\(request ([0-9a-f]{16})\)")

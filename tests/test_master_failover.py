@@ -46,7 +46,7 @@ from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS, CallConnection, FastPath
 from hixl.store_types import MasterNotLeader, MasterRpcError, MasterUnavailable, StoreSegment
 from hixl.tools.cli import main
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.v1 import store_pb2
 
 StartAgent = Callable[..., AgentProcess]

@@ -42,8 +42,7 @@ from hixl.store_rpc import CallConnection
 from hixl.store_types import StoreSegment
 from hixl.tools.admin import master_roles
 from hixl.tools.cli import main as cli_main
-from hixl.tools.registry_bench import MasterProcess
-from hixl.tools.store_bench import HolderProcess
+from hixl.tools.daemons import HolderProcess, MasterProcess
 from hixl.v1 import agent_pb2, agent_pb2_grpc, store_pb2, store_pb2_grpc
 
 StartAgent = Callable[..., AgentProcess]

@@ -44,7 +44,7 @@ from hixl.server.master.store import StoreOptions
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import METHODS
 from hixl.store_types import StoreSegment
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.transports.base import Item
 from hixl.transports.tcp import SocketTransport
 from hixl.types import TransferOp, TransferOpDesc

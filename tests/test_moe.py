@@ -25,7 +25,7 @@ import pytest
 from hixl.client.shmem import BOOTSTRAP_ENV, JOB_ENV, N_PES_ENV, PE_ENV
 from hixl.errors import ParamInvalid
 from hixl.tools import moe, moe_bench
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.tools.shmem_run import run_job
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "moe_dispatch_combine.py"

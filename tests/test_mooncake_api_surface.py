@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hixl.client.mooncake import MooncakeDistributedStore, ObjectDataType, ReplicateConfig
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.tools.store_bench import mooncake_store_unavailable
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"

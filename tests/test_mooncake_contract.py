@@ -16,7 +16,7 @@ from test_mooncake_store import master, new_store  # noqa: F401  (fixture)
 from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from hixl.client.mooncake import store as store_module
 from hixl.store_codes import ErrorCode
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 INVALID = int(ErrorCode.INVALID_PARAMS)
 

@@ -330,7 +330,7 @@ def test_a_running_master_holds_fresh_puts_for_the_grace_it_was_given(grace_ms: 
     one they run out of room (NO_AVAILABLE_HANDLE) and every acknowledged value is kept."""
     from hixl.client.mooncake import MooncakeDistributedStore
     from hixl.store_codes import ErrorCode
-    from hixl.tools.registry_bench import MasterProcess
+    from hixl.tools.daemons import MasterProcess
 
     mib = 1 << 20
     value = b"g" * mib

@@ -38,7 +38,7 @@ from hixl.client.mooncake.store import mooncake_size as parse_size
 from hixl.client.store_client import MasterClient
 from hixl.processes import free_port
 from hixl.store_codes import ErrorCode
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 WORKER = os.path.join(os.path.dirname(__file__), "helpers", "store_worker.py")
 MiB = 1 << 20

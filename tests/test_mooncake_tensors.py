@@ -15,7 +15,7 @@ from test_mooncake_store import master, new_store  # noqa: F401  (fixture)
 from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig
 from hixl.client.mooncake import tensors as layout
 from hixl.store_codes import ErrorCode
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 torch = pytest.importorskip("torch")
 

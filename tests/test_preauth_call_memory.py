@@ -21,8 +21,7 @@ import waiting
 from hixl import wire
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.store_rpc import METHODS
-from hixl.tools.registry_bench import MasterProcess
-from hixl.tools.store_bench import HolderProcess
+from hixl.tools.daemons import HolderProcess, MasterProcess
 
 MiB = 1 << 20
 FLOOD = 16

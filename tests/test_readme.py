@@ -18,7 +18,7 @@ def python_blocks() -> list[str]:
 
 
 def test_readme_examples_run(agent_process, tmp_path) -> None:
-    from hixl.tools.registry_bench import MasterProcess
+    from hixl.tools.daemons import MasterProcess
 
     blocks = python_blocks()
     assert len(blocks) >= 5, "the README lost its usage examples"

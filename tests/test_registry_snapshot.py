@@ -24,7 +24,7 @@ from hixl.control import (
 from hixl.errors import ParamInvalid
 from hixl.registry_client import EngineEndpoints, RegistryClient, RegistryWatch
 from hixl.server.registry import SNAPSHOT_CHUNK, EventKind, Registry, RegistryEvent, events_to_pb
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.types import MemType, Perm, SegmentInfo
 from hixl.v1 import agent_pb2
 

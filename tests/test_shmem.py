@@ -26,7 +26,7 @@ import pytest
 import hixl.shmem as shmem
 from hixl.errors import NotConnected, ParamInvalid
 from hixl.processes import DaemonProcess
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "shmem_worker.py")
 GIVE_UP_S = 90.0  # only guards against a hang; never a performance bound

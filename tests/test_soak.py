@@ -26,7 +26,7 @@ from hixl import Engine, TransferTimeout, wire
 from hixl.client.agent_client import AgentClient
 from hixl.processes import free_port
 from hixl.tools import cli
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.tools.soak import LEASE_TTL_MS, OP_KINDS
 from hixl.types import Perm
 from hixl.wire import HEADER_SIZE, Reason, ServedSegment, ServerProtocol

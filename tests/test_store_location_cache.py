@@ -19,8 +19,7 @@ import waiting
 from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig
 from hixl.client.store_client import MasterClient
 from hixl.store_codes import ErrorCode
-from hixl.tools.registry_bench import MasterProcess
-from hixl.tools.store_bench import HolderProcess
+from hixl.tools.daemons import HolderProcess, MasterProcess
 
 MiB = 1 << 20
 GIVE_UP_S = 30.0   # only a guard against a hang

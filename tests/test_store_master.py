@@ -28,7 +28,7 @@ from hixl.store_types import (
     ReplicaConfig,
     StoreSegment,
 )
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 
 MiB = 1 << 20
 DEADLINE_S = 20.0

@@ -25,7 +25,7 @@ from hixl.client.store_client import MasterClient, ReadGate
 from hixl.server.master.store import ObjectStore, StoreOptions
 from hixl.store_codes import ErrorCode
 from hixl.store_types import StoreSegment
-from hixl.tools.registry_bench import MasterProcess
+from hixl.tools.daemons import MasterProcess
 from hixl.tools.store_bench import (
     MooncakeMasterProcess,
     mooncake_master_binary,

@@ -28,8 +28,7 @@ from hixl.server.master.store import ObjectStore
 from hixl.server.master.store_service import StoreCalls
 from hixl.store_codes import ErrorCode
 from hixl.store_types import StoreSegment
-from hixl.tools.registry_bench import MasterProcess
-from hixl.tools.store_bench import HolderProcess
+from hixl.tools.daemons import HolderProcess, MasterProcess
 
 MiB = 1 << 20
 GIVE_UP_S = 30.0   # only a guard against a hang

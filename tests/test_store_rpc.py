@@ -39,8 +39,7 @@ from hixl.store_rpc import (
     NotSent,
 )
 from hixl.store_types import MasterAuthenticationFailed, MasterUnavailable, StoreSegment
-from hixl.tools.registry_bench import MasterProcess
-from hixl.tools.store_bench import HolderProcess
+from hixl.tools.daemons import HolderProcess, MasterProcess
 from hixl.v1 import store_pb2
 from hixl.wire import Header, Op, Reason
 

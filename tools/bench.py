@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import selectors
-import shutil
 import socket
 import struct
 import sys
@@ -47,6 +46,7 @@ from hixl.errors import HixlError, TransferFailed
 from hixl.memory import ShmSegment
 from hixl.processes import DaemonProcess, ProcessNotReady, free_port
 from hixl.sizes import format_size as human_size
+from hixl.tools.daemons import AGENT_START_TIMEOUT_S, AgentProcess
 from hixl.types import TransferOp, TransferOpDesc
 
 KIB = 1024
@@ -68,7 +68,6 @@ MODES = ("sync", "async")
 # "arrays", integer arrays of addresses and one length (Engine.transfer_arrays).
 APIS = ("list", "arrays")
 SAMPLE_WINDOW = 256 * KIB  # verified bytes at each end of the first and last block
-AGENT_START_TIMEOUT_S = 60.0
 RAW_READY = "HIXL-RAW-READY"
 
 _memmove = ctypes.memmove
@@ -218,39 +217,6 @@ def time_async(submit: Callable[[], Any], config: BenchConfig, min_calls: int = 
 # ---------------------------------------------------------------- the agent under test
 
 
-class AgentProcess:
-    """A private `hixl-agent` (free ports, temporary runtime dir), stopped by stop()."""
-
-    READY_PREFIX = "hixl-agent serving "
-
-    def __init__(self, pool_bytes: int) -> None:
-        self.runtime_dir = tempfile.mkdtemp(prefix="hixl-bench-")
-        self.name = ""
-        self.config_path = os.path.join(self.runtime_dir, "agent.yaml")
-        with open(self.config_path, "w", encoding="utf-8") as f:
-            f.write(f"host: 127.0.0.1\ngrpc_port: 0\ndata_port: 0\ndata_unix: true\n"
-                    f"runtime_dir: {self.runtime_dir}\npool_max_bytes: {pool_bytes}\n"
-                    "log_level: WARNING\n")
-        # HIXL_AGENT_* variables would override the file: the bench's agent ignores them.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HIXL_AGENT_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        self.process = DaemonProcess(
-            [sys.executable, "-c",
-             "import sys; from hixl.server.main import agent_main; sys.exit(agent_main())",
-             "--config", self.config_path],
-            name="hixl-agent", ready=self.READY_PREFIX, env=env, start_new_session=True)
-        self.proc = self.process.proc
-
-    def wait_ready(self, timeout: float = AGENT_START_TIMEOUT_S) -> str:
-        """The agent's engine name, once it prints its ready line (ProcessNotReady, a
-        RuntimeError with its output, if it exits or `timeout` passes first)."""
-        self.process.wait_ready(timeout)
-        self.name = self.process.ready_fields["engine"]
-        return self.name
-
-    def stop(self) -> None:
-        self.process.stop()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- raw socket baseline

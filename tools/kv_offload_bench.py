@@ -325,7 +325,7 @@ def run_kv_offload_bench(config: KvBenchConfig, progress: IO[str] | None = None
                          ) -> dict[str, Any]:
     """Every (page size, path) case; raises KvOffloadBenchFailure on a wrong byte (after
     building the whole report, so the failure names every bad page)."""
-    from hixl.tools.registry_bench import MasterProcess
+    from hixl.tools.daemons import MasterProcess
 
     cases: list[dict[str, Any]] = []
     with MasterProcess(log_level="WARNING") as master, \

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from hixl.processes import DaemonProcess, ProcessNotReady
+from hixl.tools.daemons import MOONCAKE_QUIET
 
 READY = "HIXL-MOONCAKE-READY"
 PROTOCOL = "tcp"
 METADATA = "P2PHANDSHAKE"
 START_TIMEOUT_S = 60.0
 # Mooncake logs every connection at INFO through glog; errors are all we want to see.
-_QUIET = {"MC_LOG_LEVEL": "ERROR"}
 
 
 class MooncakeError(RuntimeError):
@@ -40,7 +40,7 @@ class MooncakeError(RuntimeError):
 
 def unavailable_reason() -> str | None:
     """Why Mooncake cannot be measured here, or None when `mooncake.engine` imports."""
-    for key, value in _QUIET.items():
+    for key, value in MOONCAKE_QUIET.items():
         os.environ.setdefault(key, value)
     try:
         import mooncake.engine  # noqa: F401
@@ -126,7 +126,7 @@ class TargetProcess:
     """A Mooncake target on this host, stopped by stop() (closing its stdin)."""
 
     def __init__(self, host: str, buffer_bytes: int) -> None:
-        env = {**os.environ, **_QUIET, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **MOONCAKE_QUIET, "PYTHONUNBUFFERED": "1"}
         self.process = DaemonProcess(target_command(host, buffer_bytes), name="Mooncake target",
                                      ready=READY, env=env, stop_by="stdin")
         self.proc = self.process.proc

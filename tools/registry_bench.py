@@ -22,25 +22,20 @@ import math
 import multiprocessing
 import os
 import random
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
-from hixl.addresses import split_host_port
 from hixl.auth import load_token
 from hixl.client.global_table import GlobalTable
 from hixl.errors import HixlError, ParamInvalid
-from hixl.processes import DaemonProcess, ProcessNotReady
 from hixl.registry_client import EngineEndpoints, RegistryClient
+from hixl.tools.daemons import MasterProcess
 from hixl.types import MemType, Perm, SegmentInfo
 
-MASTER_READY = "hixl-master serving "
-MASTER_START_TIMEOUT_S = 30.0
 LEASE_TTL_MS = 30_000
 SEGMENT_STRIDE = 1 << 20  # simulated segments: 512 KiB every 1 MiB of a fake address space
 SEGMENT_LENGTH = 1 << 19
@@ -50,46 +45,6 @@ BASE = 1 << 40
 # ---------------------------------------------------------------- a hixl-master process
 
 
-class MasterProcess(DaemonProcess):
-    """A `hixl-master` subprocess on `host` (for the bench and for tests), serving once
-    constructed (HixlError with its log otherwise).
-
-    stderr goes to a log file (never a pipe nobody reads, which could fill and block it).
-    `port=0` picks a free port; pass the old port to restart a master where it was.
-    `host=None` leaves the host to the master's default; `env` is its environment (None:
-    ours).
-    """
-
-    def __init__(self, port: int = 0, *, host: str | None = "127.0.0.1",
-                 log_level: str = "INFO", extra: Sequence[str] = (),
-                 log_path: str | None = None, env: Mapping[str, str] | None = None) -> None:
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="hixl-master-", suffix=".log")
-            os.close(fd)
-        super().__init__(
-            [sys.executable, "-m", "hixl.server.master.master",
-             *(() if host is None else ("--host", host)),
-             "--port", str(port), "--log-level", log_level,
-             # metadata kept only when the caller names a place for it (dir or etcd)
-             *(() if any(f.startswith(("--data-dir", "--etcd-endpoints")) for f in extra)
-               else ("--no-persist",)),
-             *extra],
-            name="hixl-master", ready=MASTER_READY, env=env, log_path=log_path,
-            grace_s=MASTER_START_TIMEOUT_S)
-        try:
-            line = self.wait_ready(MASTER_START_TIMEOUT_S)
-        except ProcessNotReady as exc:
-            raise HixlError(str(exc)) from None
-        self.target = line[len(MASTER_READY):].strip()
-        self.port = split_host_port(self.target)[1]
-
-    def close(self) -> None:
-        """Killed (not stopped: a test's master goes at once), its log removed."""
-        self.kill()
-        super().close()
-        if self.log_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.log_path)
 
 
 # ---------------------------------------------------------------- configuration

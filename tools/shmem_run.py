@@ -98,7 +98,7 @@ def run_job(command: Sequence[str], n_local: int, *, bootstrap: str | None = Non
     out = output or sys.stdout
     with contextlib.ExitStack() as stack:
         if bootstrap is None:
-            from hixl.tools.registry_bench import MasterProcess
+            from hixl.tools.daemons import MasterProcess
 
             master = MasterProcess(log_level="WARNING")
             stack.callback(master.close)

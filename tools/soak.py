@@ -244,7 +244,7 @@ class ManagedMaster:
         self.target = f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        from hixl.tools.registry_bench import MasterProcess
+        from hixl.tools.daemons import MasterProcess
 
         # INFO: its log records every eviction, across restarts (see evictions())
         self.process = MasterProcess(self.port, extra=self.extra, log_path=self.log_path)

@@ -85,6 +85,7 @@ from hixl.tools.bench import (
     local_address_towards,
     page_aligned,
 )
+from hixl.tools.daemons import HOLDER_READY, MOONCAKE_QUIET, HolderProcess
 
 DEFAULT_SIZES = (64 * KIB, 1 * MIB, 8784 * KIB)
 OPS = ("put", "get", "put_from", "get_into", "put_batch", "get_batch", "batch_put_from",
@@ -116,10 +117,8 @@ SHIFT_STEP, SHIFTS = 4160, 61  # where each call's values start in the source bu
 REMOVE_CHUNK = 512
 START_TIMEOUT_S = 60.0
 METADATA, PROTOCOL = "P2PHANDSHAKE", "tcp"
-HOLDER_READY = "HIXL-STORE-HOLDER-READY"
 TARGET_ONE_NODE, TARGET_ACROSS_NODES = 5.0, 2.0
 OBJECT_NOT_FOUND = -704
-_QUIET = {"MC_LOG_LEVEL": "ERROR"}  # Mooncake logs every connection at INFO
 
 
 class StoreBenchFailure(BenchFailure):
@@ -217,30 +216,13 @@ def verify(label: str, expected: np.ndarray, got: Any) -> None:
 # ---------------------------------------------------------------- processes
 
 
-def holder_command(system: str, master: str, host: str, segment_bytes: int,
-                   forever: bool = False) -> list[str]:
-    """argv of a segment holder process (see holder_main)."""
-    return [sys.executable, "-m", "hixl.tools.store_bench", "--holder", system,
-            "--master", master, "--host", host, "--segment", str(segment_bytes),
-            *(["--forever"] if forever else [])]
 
 
-class HolderProcess(DaemonProcess):
-    """A segment holder on this host, serving once constructed (its segment name in
-    `segment`; ProcessNotReady, a RuntimeError with its output, otherwise); stop() closes
-    its stdin (it unmounts and exits)."""
-
-    def __init__(self, system: str, master: str, host: str, segment_bytes: int) -> None:
-        super().__init__(holder_command(system, master, host, segment_bytes),
-                         name=f"{system} segment holder", ready=HOLDER_READY,
-                         env={**os.environ, **_QUIET, "PYTHONUNBUFFERED": "1"},
-                         stop_by="stdin", grace_s=15.0)
-        self.segment = self.wait_ready(START_TIMEOUT_S).split()[2]
 
 
 def mooncake_store_unavailable() -> str | None:
     """Why Mooncake Store cannot be measured here, or None when `mooncake.store` imports."""
-    for key, value in _QUIET.items():
+    for key, value in MOONCAKE_QUIET.items():
         os.environ.setdefault(key, value)
     try:
         import mooncake.store  # noqa: F401
@@ -398,7 +380,7 @@ class StoreBench(BenchRun):
     # ---- set-up and tear-down
 
     def _open(self) -> None:
-        from hixl.tools.registry_bench import MasterProcess
+        from hixl.tools.daemons import MasterProcess
 
         config = self.config
         if config.master:
