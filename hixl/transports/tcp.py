@@ -115,7 +115,7 @@ class _Frames:
     a list of views, and `lasts` names the last op's position."""
 
     positions: list[int]  # each frame's (first) item position in the batch; -1: control
-    headers: list[bytes]  # HELLO and AUTH headers carry their payload too
+    headers: list[bytes]  # each frame's header (a PING is its header alone)
     payloads: list[Any] | None = None  # WRITE: each frame's data (a view or a list of them)
     targets: list[Any] | None = None  # READ: where each reply's data lands (the same)
     lasts: list[int] | None = None  # each frame's last item position; None: one item each
