@@ -1087,7 +1087,7 @@ class Engine:
             except Exception as exc:
                 _failed(peer, peer.fabric_traffic[op], exc)  # type: ignore[index]
                 raise
-            if not socket_items:  # the usual call, one path: _account's first case
+            if not socket_items:  # the usual call, one path: _account's fabric-only case
                 peer.fabric_traffic[op].add(  # type: ignore[index]
                     len(fabric_items), nbytes, _monotonic() - start)
                 return
