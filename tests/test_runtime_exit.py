@@ -9,6 +9,8 @@ first: its loop is closed and its socket files are gone before finalization.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -49,3 +51,41 @@ print("serving", flush=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "serving"
     assert os.listdir(tmp_path / "run") == []  # stop() ran: it removes its socket files
+
+
+def test_an_agent_taking_a_stopping_agents_port_keeps_its_sockets(tmp_path: Path) -> None:
+    # With grpc_port 0 the OS may hand a stopping agent's port to a new one at once (seen
+    # in CI among 300 short-lived engines), and the socket paths are named after the port.
+    # The new agent starts the moment the old one's gRPC port is released: it must find
+    # its paths free, and the old agent, finishing its stop, must leave them alone.
+    run_dir = tmp_path / "run"
+    first = runtime.AgentServer(_config(run_dir)).start()
+    port = int(first.engine_name.rsplit(":", 1)[1])
+    taker: list[runtime.AgentServer] = []
+    refusals: list[Exception] = []  # the stop swallows what its steps raise: keep it here
+    grpc_server = first._grpc
+    assert grpc_server is not None
+    release_port = grpc_server.stop
+
+    async def release_then_hand_over(grace: float | None) -> None:
+        await release_port(grace)
+        config = dataclasses.replace(_config(run_dir), grpc_port=port)
+        try:
+            taker.append(await asyncio.to_thread(runtime.AgentServer(config).start))
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            refusals.append(exc)
+
+    grpc_server.stop = release_then_hand_over  # type: ignore[method-assign]
+    try:
+        first.stop()
+        assert refusals == [] and len(taker) == 1, refusals
+        second = taker[0]
+        assert second.engine_name == f"127.0.0.1:{port}"
+        assert sorted(os.listdir(run_dir)) == sorted(
+            os.path.basename(path) for path in (second.endpoints.data_unix,
+                                                second.endpoints.fd_socket) if path)
+    finally:
+        first.stop()
+        for server in taker:
+            server.stop()
+    assert os.listdir(run_dir) == []

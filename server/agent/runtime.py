@@ -716,10 +716,9 @@ class AgentServer:
                     close()
         if self._servicer is not None:
             self._servicer.stop_watches()
-        if self._grpc is not None:
-            with contextlib.suppress(Exception):
-                await self._grpc.stop(grace)
-            self._grpc = None
+        # The socket paths are named after the gRPC port: give them up while the port is
+        # still ours. Released first, the port could go to a new agent (grpc_port 0) that
+        # then found its paths served by us, or had its fresh socket files unlinked by us.
         if self._fd is not None:
             self._fd.stop()
             self._fd = None
@@ -727,13 +726,17 @@ class AgentServer:
             with contextlib.suppress(Exception):
                 await _off_loop(self._data.stop)
             self._data = None
-        self._tickets.close()
-        if self.agent is not None:
-            self.agent.close()
         for path in self._sockets:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._sockets.clear()
+        if self._grpc is not None:
+            with contextlib.suppress(Exception):
+                await self._grpc.stop(grace)
+            self._grpc = None
+        self._tickets.close()
+        if self.agent is not None:
+            self.agent.close()
 
 
 async def _off_loop(fn: Callable[[], object]) -> None:
