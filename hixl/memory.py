@@ -141,8 +141,14 @@ def load_fastwire() -> Any:
     return _fastwire
 
 
+_FASTWIRE = load_fastwire()
 #: the compiled copy loop for array batches (copy_arrays), or None: numpy and ctypes
-_FAST_COPY = getattr(load_fastwire(), "copy_runs", None)
+_FAST_COPY = getattr(_FASTWIRE, "copy_runs", None)
+#: one move with streaming stores, or memmove without the compiled module. Streaming
+#: (non-temporal) stores skip reading the destination's cache lines and leave the cache
+#: alone: for writes into memory this process will not read next -- a remote segment --
+#: they measured 1.3-1.6x a memmove from 4 KiB to 8784 KiB here (docs/benchmarks.md §9).
+_STREAM_COPY = getattr(_FASTWIRE, "copy_stream", None) or ctypes.memmove
 
 
 # Parallel copies. One thread's memcpy tops out near 7-12 GB/s on a VM core; two threads
@@ -178,15 +184,16 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _run_moves(moves: Sequence[Move]) -> None:
-    """memmove each move, looping in C (starmap drained by a zero-length deque): no
-    Python bytecode per move, only ctypes' call."""
-    deque(starmap(_memmove, moves), maxlen=0)
+def _run_moves(moves: Sequence[Move], stream: bool = False) -> None:
+    """memmove (`stream`: copy with streaming stores) each move, looping in C (starmap
+    drained by a zero-length deque): no Python bytecode per move, only the copy's call."""
+    deque(starmap(_STREAM_COPY if stream else _memmove, moves), maxlen=0)
 
 
-def _run_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
+def _run_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
+                stream: bool = False) -> None:
     """_run_moves for moves given as arrays (copy_runs' work where it is not built)."""
-    _run_moves(array_moves(dst, src, lengths))
+    _run_moves(array_moves(dst, src, lengths), stream)
 
 
 def array_moves(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> list[Move]:
@@ -228,8 +235,9 @@ def _copy_small(dst: np.ndarray, src: np.ndarray, size: int) -> None:
 
 
 def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
-                total: int | None = None) -> None:
-    """copy_moves for moves given as three int64 arrays (an array batch).
+                total: int | None = None, *, stream: bool = False) -> None:
+    """copy_moves for moves given as three int64 arrays (an array batch); `stream` as
+    copy_moves'.
 
     With hixl._fastwire every share of the moves is one C loop without the GIL
     (copy_runs: 4 KiB pages at memory speed); without it, many moves of one small size
@@ -254,10 +262,10 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
         total >= PARALLEL_MOVE_MIN * lengths.size else 1
     run = fast or _run_arrays  # one share's moves
     if shares <= 1:
-        run(dst, src, lengths)
+        run(dst, src, lengths, stream)
         return
     if lengths.size < shares * _MOVES_PER_SHARE:
-        copy_moves(array_moves(dst, src, lengths), total)
+        copy_moves(array_moves(dst, src, lengths), total, stream=stream)
         return
     ends = np.cumsum(lengths)
     inner = np.searchsorted(ends, np.arange(1, shares) * (total // shares)) + 1
@@ -265,9 +273,9 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
     parts = [(dst[a:b], src[a:b], lengths[a:b])
              for a, b in zip(cuts[:-1], cuts[1:], strict=True) if b > a]
     pool = _pool()
-    futures: list[Future[None]] = [pool.submit(run, *part) for part in parts[1:]]
+    futures: list[Future[None]] = [pool.submit(run, *part, stream) for part in parts[1:]]
     try:
-        run(*parts[0])
+        run(*parts[0], stream)
     finally:
         for future in futures:
             future.result()
@@ -291,23 +299,27 @@ def split_moves(moves: Sequence[Move], shares: int) -> list[list[Move]]:
     return out
 
 
-def copy_moves(moves: Sequence[Move], total: int | None = None) -> None:
+def copy_moves(moves: Sequence[Move], total: int | None = None, *,
+               stream: bool = False) -> None:
     """memmove every (dst, src, length); large totals on several threads at once.
 
     Moves must not overlap each other (they are copied in parallel); each move alone may
-    (memmove). Returns when every byte is copied; a worker's exception is re-raised.
+    (memmove). `stream`: the destination is memory this process will not read next (a
+    remote segment): moves of a page or more are copied with streaming stores, fenced
+    before this returns. Returns when every byte is copied; a worker's exception is
+    re-raised.
     """
     if total is None:
         total = sum(length for _, _, length in moves)
     shares = min(COPY_THREADS, total // _COPY_PIECE_MIN) if total >= PARALLEL_COPY_MIN else 1
     if shares <= 1:
-        _run_moves(moves)
+        _run_moves(moves, stream)
         return
     first, *rest = split_moves(moves, shares)
     pool = _pool()
-    futures: list[Future[None]] = [pool.submit(_run_moves, share) for share in rest]
+    futures: list[Future[None]] = [pool.submit(_run_moves, share, stream) for share in rest]
     try:
-        _run_moves(first)
+        _run_moves(first, stream)
     finally:
         for future in futures:
             future.result()

@@ -54,7 +54,8 @@ def test_split_covers_every_byte_once_in_order(shares: int) -> None:
     [PARALLEL_COPY_MIN - 1],                               # just below: one thread
     [777, PARALLEL_COPY_MIN + 4096, 3, 1 << 20, 65536],    # mixed sizes, uneven cuts
 ])
-def test_copy_moves_copies_every_byte(sizes: list[int]) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_copy_moves_copies_every_byte(sizes: list[int], stream: bool) -> None:
     rng = np.random.default_rng(7)
     total = sum(sizes)
     src = rng.integers(0, 256, total, dtype=np.uint8)
@@ -66,7 +67,7 @@ def test_copy_moves_copies_every_byte(sizes: list[int]) -> None:
         for size in sizes:  # destination shifted by 4096 + 1: unaligned on purpose
             moves.append((_addr(dst) + 4097 + offset, _addr(src) + offset, size))
             offset += size
-        copy_moves(moves)
+        copy_moves(moves, stream=stream)
         assert np.array_equal(dst[4097:4097 + total], src)
         assert (dst[:4097] == 0xAB).all() and (dst[4097 + total:] == 0xAB).all()
         del dst
@@ -128,7 +129,9 @@ def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     (3, PARALLEL_COPY_MIN),           # split over threads, few moves
     (260, 64 << 10),                  # split over threads (up to 4), cut at move boundaries
 ])
-def test_copy_arrays_copies_every_byte(copy_path: str, count: int, size: int) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_copy_arrays_copies_every_byte(copy_path: str, count: int, size: int,
+                                       stream: bool) -> None:
     """Scattered pages (shuffled order, unaligned destination) land where they belong and
     nothing else is written, on either path."""
     rng = np.random.default_rng(count)
@@ -141,7 +144,7 @@ def test_copy_arrays_copies_every_byte(copy_path: str, count: int, size: int) ->
         dsts = _addr(dst) + 4097 + order.astype(np.int64) * size
         srcs = _addr(src) + np.arange(count, dtype=np.int64) * size
         lengths = np.full(count, size, dtype=np.int64)
-        copy_arrays(dsts, srcs, lengths)
+        copy_arrays(dsts, srcs, lengths, stream=stream)
         for page, slot in enumerate(order.tolist()):  # every page, where it belongs
             at = 4097 + slot * size
             assert np.array_equal(dst[at:at + size], src[page * size:(page + 1) * size]), page
@@ -170,3 +173,51 @@ def test_copy_runs_refuses_what_it_cannot_copy_before_moving_a_byte() -> None:
     assert not dst.any()  # nothing moved by a refused call
     fast(d, s, np.array([8, 8], dtype=np.int64))
     assert dst[:8].tolist() == list(range(8)) and dst[32:40].tolist() == list(range(32, 40))
+
+
+def _fast_stream() -> object:
+    stream = getattr(memory._FASTWIRE, "copy_stream", None)
+    if stream is None:
+        pytest.skip("hixl._fastwire is not built here (no compiler) or HIXL_FASTWIRE=0")
+    return stream
+
+
+@pytest.mark.parametrize("length", [0, 1, 63, 4095, 4096, 4097, 4096 + 63, 65536 + 17,
+                                    (1 << 20) + 5])
+@pytest.mark.parametrize(("dst_shift", "src_shift"), [(0, 0), (1, 0), (15, 7), (4097, 3)])
+def test_copy_stream_copies_exactly_its_bytes(length: int, dst_shift: int,
+                                              src_shift: int) -> None:
+    """Streamed stores (x86-64) cover the unaligned head and the tail under 64 bytes: every
+    byte lands, none outside the range; short copies take memmove."""
+    copy_stream = _fast_stream()
+    rng = np.random.default_rng(length + dst_shift)
+    src = rng.integers(0, 256, length + 64, dtype=np.uint8)
+    segment = ShmSegment(length + 2 * 8192, name="test-copy-stream")
+    try:
+        dst = np.frombuffer(segment.view(), dtype=np.uint8)
+        dst[:] = 0xAB
+        copy_stream(_addr(dst) + dst_shift, _addr(src) + src_shift, length)  # type: ignore[operator]
+        assert np.array_equal(dst[dst_shift:dst_shift + length],
+                              src[src_shift:src_shift + length])
+        assert (dst[:dst_shift] == 0xAB).all() and (dst[dst_shift + length:] == 0xAB).all()
+        del dst
+    finally:
+        segment.close()
+
+
+@pytest.mark.parametrize("shift", [-100, 100, 0])
+def test_copy_stream_of_overlapping_ranges_is_a_memmove(shift: int) -> None:
+    copy_stream = _fast_stream()
+    data = np.arange(3 * 8192, dtype=np.uint32).view(np.uint8)
+    expected = data.copy()
+    start, length = 8192, 8192
+    expected[start + shift:start + shift + length] = data[start:start + length].copy()
+    copy_stream(_addr(data) + start + shift, _addr(data) + start, length)  # type: ignore[operator]
+    assert np.array_equal(data, expected)
+
+
+def test_copy_stream_refuses_a_negative_length() -> None:
+    copy_stream = _fast_stream()
+    dst = np.zeros(16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="length is negative"):
+        copy_stream(_addr(dst), _addr(dst), -1)  # type: ignore[operator]

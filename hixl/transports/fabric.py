@@ -10,7 +10,9 @@ range are mapped but never touched.
 
 A transfer is one memmove per op (per run of ops that continue each other, for an array
 batch: `transfer_runs`), issued by one C-level loop over the moves (hixl.memory.copy_moves,
-on several threads for large totals) -- no Python bytecode per op. Around the copies it reads each segment's liveness
+on several threads for large totals) -- no Python bytecode per op. A WRITE's copies use
+streaming stores: its bytes go to another process's memory, which this one does not read
+next (hixl.memory). Around the copies it reads each segment's liveness
 word (hixl.segment_states): a segment its owner deregistered, before or during the copy,
 fails the transfer with ParamInvalid instead of taking bytes into withdrawn memory. After
 the copies it checks, for ~1 µs, that the owner agent is still alive: a write into memory
@@ -165,7 +167,9 @@ class FabricTransport(Transport):
             if not exc.failed:
                 exc.failed = [it.index for it in items]
             raise
-        self._copy(lambda: copy_moves(moves), used, deadline, lambda: [it.index for it in items])
+        # a WRITE lands in another process's memory: streamed stores (hixl.memory)
+        self._copy(lambda: copy_moves(moves, stream=writing), used, deadline,
+                   lambda: [it.index for it in items])
 
     def transfer_runs(self, op: TransferOp, runs: Runs, deadline: float) -> None:
         """An array batch: each segment mapped once, every run's mapped address computed
@@ -186,7 +190,8 @@ class FabricTransport(Transport):
             deltas = np.array([used[s.segment_id].delta for s in runs.segments], np.int64)
             remote = runs.remote + deltas[runs.seg]
         dst, src = (remote, runs.local) if op is _WRITE else (runs.local, remote)
-        self._copy(lambda: copy_arrays(dst, src, runs.lengths, runs.nbytes), used, deadline,
+        self._copy(lambda: copy_arrays(dst, src, runs.lengths, runs.nbytes,
+                                       stream=op is _WRITE), used, deadline,
                    runs.failed)
 
     def _copy(self, copy: Callable[[], None], used: dict[int, _Mapped], deadline: float,
