@@ -78,6 +78,24 @@ class DeadlineSocket:
                 raise ConnectionResetError("the server closed the connection")
             return count
 
+    def recv_spinning(self, view: memoryview, deadline: float, spin_s: float) -> int:
+        """recv_into, first polling without blocking for up to `spin_s` (never past the
+        deadline): a reply due within microseconds is taken by a thread still running,
+        instead of one the kernel must wake on a halted CPU (on the VMs measured, that
+        wake-up and the caches it finds cold cost ~60 µs of a ~230 µs store call)."""
+        sock = self.sock
+        until = min(time.monotonic() + spin_s, deadline)
+        while True:
+            try:
+                count = sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.monotonic() < until:
+                    continue
+                return self.recv_into(view, deadline)
+            if not count:
+                raise ConnectionResetError("the server closed the connection")
+            return count
+
     def recv_exact(self, view: memoryview, deadline: float) -> None:
         got = 0
         while got < len(view):

@@ -23,7 +23,7 @@ import pytest
 import waiting
 from prometheus_client.parser import text_string_to_metric_families
 
-from hixl import errors, wire
+from hixl import errors, store_rpc, wire
 from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.store_client import MasterClient
 from hixl.logs import request_context
@@ -42,6 +42,7 @@ from hixl.store_types import MasterAuthenticationFailed, MasterUnavailable, Stor
 from hixl.tools.daemons import HolderProcess, MasterProcess
 from hixl.v1 import store_pb2
 from hixl.wire import Header, Op, Reason
+from hixl.wire_client import DeadlineSocket
 
 H = wire.HEADER_SIZE
 TOKEN = b"store-call-secret"
@@ -311,6 +312,71 @@ def test_a_socket_timeout_shorter_than_the_deadline_does_not_end_the_call() -> N
         connection.close()
     finally:
         endpoint.close()
+
+
+def test_a_spinning_call_takes_a_quick_reply_and_still_waits_for_a_late_one() -> None:
+    """A lone call polls for its reply a while before blocking (store_rpc.SPIN_S): a
+    reply that comes within the spin and one that comes long after it both arrive."""
+    endpoint = SlowEndpoint(0.0, 0.5)
+    try:
+        connection = CallConnection.open("127.0.0.1", endpoint.port, token=None,
+                                         identity="t", deadline=time.monotonic() + DEADLINE_S)
+        for _ in range(2):
+            reply = connection.call(METHOD_NUMBERS["ExistKey"], b"rid",
+                                    store_pb2.KeysRequest(keys=["k"]).SerializeToString(),
+                                    time.monotonic() + DEADLINE_S, spin_s=0.01)
+            assert reply == b""
+        connection.close()
+    finally:
+        endpoint.close()
+
+
+def test_a_spin_longer_than_the_deadline_ends_at_the_deadline() -> None:
+    endpoint = SlowEndpoint()  # never answers
+    try:
+        connection = CallConnection.open("127.0.0.1", endpoint.port, token=None,
+                                         identity="t", deadline=time.monotonic() + DEADLINE_S)
+        with pytest.raises(TimeoutError, match="deadline"):
+            connection.call(METHOD_NUMBERS["ExistKey"], b"rid", b"",
+                            time.monotonic() + 0.3, spin_s=DEADLINE_S)
+        connection.close()
+    finally:
+        endpoint.close()
+
+
+def test_a_spinning_receive_sees_data_and_the_end_of_the_stream() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        io = DeadlineSocket(ours)
+        buffer = memoryview(bytearray(16))
+        theirs.sendall(b"abc")
+        assert io.recv_spinning(buffer, time.monotonic() + DEADLINE_S, 1.0) == 3
+        assert bytes(buffer[:3]) == b"abc"
+        theirs.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionResetError, match="closed"):
+            io.recv_spinning(buffer, time.monotonic() + DEADLINE_S, 1.0)
+
+
+def test_only_a_lone_call_with_quick_replies_spins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Concurrent callers block (spinning threads would take the CPU the master needs),
+    and so do callers whose replies take longer than the spin (a far master)."""
+    monkeypatch.setattr(store_rpc, "SPIN_S", 0.001)
+    calls = store_rpc._InFlight()
+    assert calls.enter() == 0.001        # alone: spins
+    assert calls.enter() == 0.0          # a second one in flight: blocks
+    calls.leave(0.0002)
+    calls.leave(0.0002)
+    for _ in range(4):                   # replies slower than the spin: stop spinning
+        calls.enter()
+        calls.leave(0.5)
+    assert calls.typical_s > 0.001
+    assert calls.enter() == 0.0
+    calls.leave(0.0001)
+    for _ in range(32):                  # quick replies again: spin again
+        calls.enter()
+        calls.leave(0.0001)
+    assert calls.count == 0 and calls.enter() == 0.001
+    calls.leave(0.0001)
 
 
 def test_the_clients_back_off_asks_once_and_never_hammers_a_dead_port() -> None:
