@@ -133,8 +133,10 @@ def store_call_families(server: StoreCallServer) -> list[Metric]:
         counter("hixl_store_call_calls",
                 "Store calls on the call endpoint: served (answered by the store, errors "
                 "included), over_budget (refused unapplied: --call-bytes-budget stayed "
-                "exhausted).", ("outcome",),
-                [(("served",), totals["calls"]), (("over_budget",), totals["calls_over_budget"])]),
+                "exhausted), polled (served calls a connection took while polling for "
+                "them, --call-spin-us).", ("outcome",),
+                [(("served",), totals["calls"]), (("over_budget",), totals["calls_over_budget"]),
+                 (("polled",), totals["calls_polled"])]),
         gauge("hixl_store_call_body_bytes", "Bytes of large call bodies held now, against "
               "--call-bytes-budget.", (), [((), in_flight)]),
         gauge("hixl_store_call_body_bytes_budget", "--call-bytes-budget: the most bytes of "

@@ -261,6 +261,8 @@ def test_mooncake_flags_are_recorded_in_the_config() -> None:
     (["--call-bytes-budget", "1KiB"], "--call-bytes-budget"),
     (["--call-bytes-budget", "lots"], "--call-bytes-budget"),
     (["--call-body-timeout-s", "0"], "--call-body-timeout-s"),
+    (["--call-spin-us", "20000"], "--call-spin-us"),
+    (["--call-spin-us", "soon"], "--call-spin-us"),
 ])
 def test_bad_flags_exit_nonzero_naming_the_flag(flags: list[str], named: str) -> None:
     result = subprocess.run([sys.executable, "-m", "hixl.server.master.master", *flags],

@@ -28,6 +28,9 @@ from hixl.client.mooncake import MooncakeDistributedStore
 from hixl.client.store_client import MasterClient
 from hixl.logs import request_context
 from hixl.processes import free_port
+from hixl.server.master.store import ObjectStore
+from hixl.server.master.store_rpc_server import StoreCallServer
+from hixl.server.master.store_service import StoreCalls
 from hixl.store_codes import ErrorCode
 from hixl.store_rpc import (
     MESSAGES,
@@ -377,6 +380,55 @@ def test_only_a_lone_call_with_quick_replies_spins(monkeypatch: pytest.MonkeyPat
         calls.leave(0.0001)
     assert calls.count == 0 and calls.enter() == 0.001
     calls.leave(0.0001)
+
+
+def _exist_key_calls(server: StoreCallServer, count: int) -> list[bytes]:
+    connection = CallConnection.open("127.0.0.1", server.port, token=None, identity="t",
+                                     deadline=time.monotonic() + DEADLINE_S)
+    try:
+        return [call_exist_key(connection, time.monotonic() + DEADLINE_S)
+                for _ in range(count)]
+    finally:
+        connection.close()
+
+
+def test_the_endpoint_polls_for_back_to_back_calls_and_serves_every_other_call() -> None:
+    """In-process (a real server on real sockets): after answering, a connection polls a
+    while for its client's next call (--call-spin-us), one connection at a time. Calls
+    back to back, a call after a pause longer than the poll, calls on connections that
+    run at once and a client that hangs up while it is polled are all served or closed
+    as before; with spin_us=0 nothing is polled."""
+    exist = store_pb2.CodesReply(codes=[ErrorCode.OBJECT_NOT_FOUND]).SerializeToString()
+    server = StoreCallServer(StoreCalls(ObjectStore()), spin_us=10_000)  # the most allowed
+    server.start()
+    try:
+        connection = CallConnection.open("127.0.0.1", server.port, token=None, identity="t",
+                                         deadline=time.monotonic() + DEADLINE_S)
+        assert [call_exist_key(connection, time.monotonic() + DEADLINE_S)
+                for _ in range(50)] == [exist] * 50
+        if server._spin_s:  # a host with one CPU never polls
+            assert server.counters["calls_polled"] >= 1
+        time.sleep(0.05)  # a pause past the poll: the connection blocked meanwhile
+        assert call_exist_key(connection, time.monotonic() + DEADLINE_S) == exist
+        connection.close()  # hung up while its connection polls
+        results: list[list[bytes]] = []
+        threads = [threading.Thread(target=lambda: results.append(_exist_key_calls(server, 30)))
+                   for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(DEADLINE_S)
+        assert results == [[exist] * 30] * 3
+        assert server.counters["calls"] == 50 + 1 + 90
+    finally:
+        server.stop()
+    quiet = StoreCallServer(StoreCalls(ObjectStore()), spin_us=0)
+    quiet.start()
+    try:
+        assert _exist_key_calls(quiet, 20) == [exist] * 20
+        assert quiet.counters["calls_polled"] == 0
+    finally:
+        quiet.stop()
 
 
 def test_the_clients_back_off_asks_once_and_never_hammers_a_dead_port() -> None:

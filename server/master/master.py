@@ -68,7 +68,12 @@ from hixl.server.master.master_http import (
 )
 from hixl.server.master.metadata import LocalJournalBackend, MetadataBackend
 from hixl.server.master.store import ALLOCATION_STRATEGIES, ObjectStore, StoreOptions
-from hixl.server.master.store_rpc_server import BODY_TIMEOUT_S, CALL_BYTES_BUDGET, StoreCallServer
+from hixl.server.master.store_rpc_server import (
+    BODY_TIMEOUT_S,
+    CALL_BYTES_BUDGET,
+    CALL_SPIN_US,
+    StoreCallServer,
+)
 from hixl.server.master.store_service import StoreCalls, add_store_service, upkeep_forever
 from hixl.server.mooncake_flags import BoolFlag, FlagError, duration_ms, translate
 from hixl.server.registry import (
@@ -183,6 +188,7 @@ class MasterConfig:
     fast_port: int = 0
     call_bytes_budget: int = CALL_BYTES_BUDGET
     call_body_timeout_s: float = BODY_TIMEOUT_S
+    call_spin_us: int = CALL_SPIN_US
     advertise_address: str = ""
     enable_metric_reporting: bool = False
     metrics_host: str = ""
@@ -265,6 +271,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not 0.0 < value <= 3600.0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds, got {text}")
+    return value
+
+
+def _spin_us(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole microseconds, got {text!r}") from None
+    if not 0 <= value <= 10_000:
+        raise argparse.ArgumentTypeError(f"must be in [0, 10000] microseconds, got {text}")
     return value
 
 
@@ -414,6 +430,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "whole on the store call endpoint; a slower one closes the "
                              "connection and frees what it held (default %(default)s; "
                              "(0, 3600])")
+    parser.add_argument("--call-spin-us", dest="call_spin_us", type=_spin_us,
+                        default=CALL_SPIN_US, metavar="US",
+                        help="microseconds a store call connection polls for its client's "
+                             "next call after answering, before it blocks (one connection "
+                             "at a time, only for clients calling back to back): a blocked "
+                             "thread wakes on a cold CPU, which costs a small call more "
+                             "than its work. 0: never poll; at most 10000 (default "
+                             "%(default)s)")
     parser.add_argument("--advertise-address", dest="advertise_address", default="",
                         metavar="HOST:PORT",
                         help="the gRPC address clients and agents reach this master at; with "
@@ -850,7 +874,8 @@ async def serve(config: MasterConfig, stop: asyncio.Event,
         fast = StoreCallServer(calls, config.host, fast_port,
                                cluster_token=cluster_token, leadership=leadership,
                                call_bytes_budget=config.call_bytes_budget,
-                               body_timeout=config.call_body_timeout_s)
+                               body_timeout=config.call_body_timeout_s,
+                               spin_us=config.call_spin_us)
         try:
             fast.start()
         except ConfigError as exc:
