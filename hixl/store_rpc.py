@@ -29,11 +29,12 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from hixl import wire
 from hixl.addresses import split_host_port
-from hixl.errors import AuthenticationFailed, HixlError, ParamInvalid
+from hixl.errors import AuthenticationFailed, ConfigError, HixlError, ParamInvalid
 from hixl.failover import NotLeader
 from hixl.logs import current_request_id
 from hixl.sockets import tune_socket
@@ -72,8 +73,24 @@ MAX_IDLE = 4
 #: 220 -> 160 µs). Only while no other call of this client is in flight and the host has
 #: a second CPU for the master: spinning threads must not starve what they wait for.
 #: HIXL_CALL_SPIN_US (0: never spin).
-SPIN_S = max(0.0, float(os.environ.get("HIXL_CALL_SPIN_US", "300"))) / 1e6 \
-    if (os.cpu_count() or 1) > 1 else 0.0
+SPIN_ENV = "HIXL_CALL_SPIN_US"
+
+
+def spin_from_env(environ: Mapping[str, str] = os.environ) -> float:
+    """SPIN_S: HIXL_CALL_SPIN_US (default 300, [0, 10000]) in seconds; 0 on a single CPU.
+    ConfigError naming the variable for anything else."""
+    text = environ.get(SPIN_ENV, "300").strip()
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 10_000:
+        raise ConfigError(f"environment variable {SPIN_ENV}: expected whole microseconds in "
+                          f"[0, 10000] (0: never poll for a reply), got {text!r}")
+    return value / 1e6 if len(os.sched_getaffinity(0)) > 1 else 0.0
+
+
+SPIN_S = spin_from_env()
 _RECEIVE = 64 << 10
 _HEADER = wire.HEADER_SIZE
 # request ids for calls made outside any request: 16 hex digits as hixl.logs makes them,

@@ -360,6 +360,13 @@ def test_a_spinning_receive_sees_data_and_the_end_of_the_stream() -> None:
             io.recv_spinning(buffer, time.monotonic() + DEADLINE_S, 1.0)
 
 
+@pytest.mark.parametrize("value", ["soon", "-1", "20000", "1.5"])
+def test_a_bad_spin_setting_is_refused_naming_the_variable(value: str) -> None:
+    with pytest.raises(errors.ConfigError, match="HIXL_CALL_SPIN_US.*got"):
+        store_rpc.spin_from_env({"HIXL_CALL_SPIN_US": value})
+    assert store_rpc.spin_from_env({"HIXL_CALL_SPIN_US": "0"}) == 0.0
+
+
 def test_only_a_lone_call_with_quick_replies_spins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Concurrent callers block (spinning threads would take the CPU the master needs),
     and so do callers whose replies take longer than the spin (a far master)."""

@@ -118,7 +118,8 @@ class StoreCallServer(ThreadPerConnection):
                                        "calls_polled", "body_timeouts"), 0)
         self._budget = call_bytes_budget
         self._body_timeout = body_timeout
-        self._spin_s = spin_us / 1e6 if (os.cpu_count() or 1) > 1 else 0.0
+        # polling needs a CPU for the client besides the one this thread takes
+        self._spin_s = spin_us / 1e6 if len(os.sched_getaffinity(0)) > 1 else 0.0
         self._spinner = threading.Lock()  # held by the one connection spinning now
         self._held = 0  # bytes of large call bodies reserved now
         self.held_peak = 0  # the most ever reserved at once
