@@ -274,16 +274,6 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _spin_us(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected whole microseconds, got {text!r}") from None
-    if not 0 <= value <= 10_000:
-        raise argparse.ArgumentTypeError(f"must be in [0, 10000] microseconds, got {text}")
-    return value
-
-
 def _call_budget(text: str) -> int:
     try:
         value = parse_size(text)
@@ -430,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "whole on the store call endpoint; a slower one closes the "
                              "connection and frees what it held (default %(default)s; "
                              "(0, 3600])")
-    parser.add_argument("--call-spin-us", dest="call_spin_us", type=_spin_us,
+    parser.add_argument("--call-spin-us", dest="call_spin_us", type=_int_in(0, 10_000),
                         default=CALL_SPIN_US, metavar="US",
                         help="microseconds a store call connection polls for its client's "
                              "next call after answering, before it blocks (one connection "
