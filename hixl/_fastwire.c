@@ -614,7 +614,6 @@ PyMODINIT_FUNC PyInit__fastwire(void) {
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "HEADER_SIZE", HDR) ||
         PyModule_AddIntConstant(m, "COPY_MAX", COPY_MAX) ||
-        PyModule_AddIntConstant(m, "STREAM_MIN", STREAM_MIN) ||
         PyModule_AddIntConstant(m, "OK", S_OK) || PyModule_AddIntConstant(m, "OTHER", S_OTHER) ||
         PyModule_AddIntConstant(m, "TIMEOUT", S_TIMEOUT) ||
         PyModule_AddIntConstant(m, "CLOSED", S_CLOSED) ||

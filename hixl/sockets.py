@@ -6,6 +6,8 @@ threads, hixl.server.connections) import them from here.
 `serve_blocking` makes an accepted socket blocking with kernel-enforced I/O deadlines;
 `arm_timeouts` bounds a client's blocking calls by its call's deadline the same way;
 `BufferQueue` walks a list of buffers through partial sendmsg/recvmsg_into calls.
+`recv_polling` is the busy poll both ends of a store call use before they block, where
+`polling_pays` says a second CPU is there for the peer.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import os
 import socket
 import struct
+import time
 from typing import Union
 
 IOV_MAX = 1024  # Linux's limit on buffers per sendmsg
@@ -109,5 +113,25 @@ def serve_blocking(sock: socket.socket, io_timeout: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
+def polling_pays() -> bool:
+    """Whether this process may run on a second CPU: a thread polling for a peer's bytes
+    must not hold the only CPU the peer could answer on."""
+    return len(os.sched_getaffinity(0)) > 1
+
+
+def recv_polling(sock: socket.socket, into: memoryview, until: float) -> int | None:
+    """recv_into without blocking, tried again until `until` (monotonic): the bytes
+    received (0: end of stream), or None when none came by then (the caller then blocks
+    as usual). Why: on the VMs measured, a thread that blocks for a reply due within
+    ~100-300 µs is woken on a halted CPU with cold caches, which costs more than the
+    call's own work (docs/store.md §1); the GIL is released at every try."""
+    while True:
+        try:
+            return sock.recv_into(into, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            if time.monotonic() >= until:
+                return None
+
+
 __all__ = ["ARM_MAX_S", "ARM_MIN_S", "IOV_MAX", "SOCKET_BUFFERS", "Buffer", "BufferQueue",
-           "arm_timeouts", "serve_blocking", "tune_socket"]
+           "arm_timeouts", "polling_pays", "recv_polling", "serve_blocking", "tune_socket"]

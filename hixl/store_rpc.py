@@ -37,7 +37,7 @@ from hixl.addresses import split_host_port
 from hixl.errors import AuthenticationFailed, ConfigError, HixlError, ParamInvalid
 from hixl.failover import NotLeader
 from hixl.logs import current_request_id
-from hixl.sockets import tune_socket
+from hixl.sockets import polling_pays, tune_socket
 from hixl.v1 import store_pb2
 from hixl.wire_client import DeadlineSocket, Refused, handshake
 
@@ -87,7 +87,7 @@ def spin_from_env(environ: Mapping[str, str] = os.environ) -> float:
     if not 0 <= value <= 10_000:
         raise ConfigError(f"environment variable {SPIN_ENV}: expected whole microseconds in "
                           f"[0, 10000] (0: never poll for a reply), got {text!r}")
-    return value / 1e6 if len(os.sched_getaffinity(0)) > 1 else 0.0
+    return value / 1e6 if polling_pays() else 0.0
 
 
 SPIN_S = spin_from_env()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import struct
 import threading
@@ -54,6 +53,7 @@ from hixl.server.connections import (
 )
 from hixl.server.master.leadership import Leadership
 from hixl.server.master.store_service import Hold, StoreCalls
+from hixl.sockets import polling_pays, recv_polling
 from hixl.store_rpc import MESSAGES, METHODS
 
 log = logging.getLogger("hixl.store.rpc")
@@ -118,8 +118,7 @@ class StoreCallServer(ThreadPerConnection):
                                        "calls_polled", "body_timeouts"), 0)
         self._budget = call_bytes_budget
         self._body_timeout = body_timeout
-        # polling needs a CPU for the client besides the one this thread takes
-        self._spin_s = spin_us / 1e6 if len(os.sched_getaffinity(0)) > 1 else 0.0
+        self._spin_s = spin_us / 1e6 if polling_pays() else 0.0
         self._spinner = threading.Lock()  # held by the one connection spinning now
         self._held = 0  # bytes of large call bodies reserved now
         self.held_peak = 0  # the most ever reserved at once
@@ -411,23 +410,19 @@ class _Connection:
         much: one connection spins at a time (others block), only one whose last call
         came back to back, never while stopping; the GIL is released at every poll."""
         server = self.server
-        if not (server._spin_s and self.back_to_back) or \
+        if not (server._spin_s and self.back_to_back) or server._stopping or \
                 not server._spinner.acquire(blocking=False):
             return 0
-        try:
-            until = self.replied_at + server._spin_s
-            while time.monotonic() < until and not server._stopping:
-                try:
-                    got = self.sock.recv_into(into, 0, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    continue
-                if not got:
-                    raise PeerGone()
-                server._count("calls_polled")
-                return got
-            return 0
+        try:  # stop() shuts every connection down: a poll then sees the end at once
+            got = recv_polling(self.sock, into, self.replied_at + server._spin_s)
         finally:
             server._spinner.release()
+        if got is None:
+            return 0
+        if not got:
+            raise PeerGone()
+        server._count("calls_polled")
+        return got
 
     def _receive(self, into: memoryview, idle: bool) -> int:
         if idle:
