@@ -180,7 +180,25 @@ def _agent_env() -> dict[str, str]:
     return env
 
 
-class ManagedAgent:
+class _Managed:
+    """A daemon the soak starts again and again: `process` is its current life (a
+    DaemonProcess or MasterProcess), None before the first."""
+
+    process: Any = None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+class ManagedAgent(_Managed):
     """A hixl-agent on fixed ports and a fixed runtime dir, so a restart looks the same
     to its peers (only its epoch changes)."""
 
@@ -214,19 +232,8 @@ class ManagedAgent:
             raise HixlError(f"hixl-agent {self.engine} did not start; see {self.log_path}") \
                 from None
 
-    def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
 
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-
-
-class ManagedMaster:
+class ManagedMaster(_Managed):
     """A hixl-master with a data dir, restarted on the same port(s) and config."""
 
     def __init__(self, workdir: str) -> None:
@@ -250,21 +257,10 @@ class ManagedMaster:
         self.process = MasterProcess(self.port, extra=self.extra, log_path=self.log_path)
         self.port = self.process.port
 
-    def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
-
     def evictions(self) -> int:
         """Objects evicted in all of this master's lives (its log says each time)."""
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return sum(int(m.group(1)) for m in re.finditer(r"evicted (\d+) objects", f.read()))
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
 
 
 class Chaos(threading.Thread):
