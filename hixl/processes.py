@@ -17,6 +17,7 @@ import collections
 import contextlib
 import os
 import queue
+import random
 import re
 import socket
 import subprocess
@@ -32,14 +33,73 @@ TAIL_CHARS = 6000       # how much of a log an error quotes
 _D = TypeVar("_D", bound="DaemonProcess")
 
 
+_PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_RESERVED_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+_LOWEST_PICK = 10000  # below this, well-known and registered services live
+_PICK_TRIES = 200
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    """The kernel's range for bind(0) and connect() ports (this network namespace's)."""
+    try:
+        with open(_PORT_RANGE_FILE, encoding="ascii") as f:
+            low, high = (int(field) for field in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return None
+
+
+def _reserved_ports() -> set[int]:
+    """ip_local_reserved_ports ("8000,9000-9010"): ports an operator set aside."""
+    reserved: set[int] = set()
+    with contextlib.suppress(OSError, ValueError), \
+            open(_RESERVED_PORTS_FILE, encoding="ascii") as f:
+        for part in f.read().strip().split(","):
+            if part:
+                first, _, last = part.partition("-")
+                reserved.update(range(int(first), int(last or first) + 1))
+    return reserved
+
+
+def _bindable(family: socket.AddressFamily, host: str, port: int) -> socket.socket | None:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct TCP ports nothing listens on now (held open together, so none
-    repeats, then released). Another process may take one meanwhile: a server that can
-    bind port 0 and report it should do that instead."""
+    """`count` distinct TCP ports nothing listens on now, for servers that must be told
+    their port before they start (a restart on the same port, a config written first).
+
+    They are picked at random *below* the kernel's ephemeral range: a port from that range
+    (what bind(host, 0) hands out) may meanwhile be given to any socket that binds port 0
+    or connects out (another daemon's data listener, a client connection), and the
+    server told to use it then fails with "address in use". Below the range only another
+    explicit choice can take it. Falls back to bind(0) where the range is unknown or
+    leaves no room. A server that can bind port 0 and report its port should do that.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    span = _ephemeral_range()
+    pick = random.SystemRandom()
     with contextlib.ExitStack() as held:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        if span is not None and span[0] - _LOWEST_PICK >= 1000:
+            skip = _reserved_ports()
+            for _ in range(_PICK_TRIES):
+                if len(ports) == count:
+                    break
+                port = pick.randrange(_LOWEST_PICK, span[0])
+                if port in skip or port in ports:
+                    continue
+                sock = _bindable(family, host, port)
+                if sock is not None:
+                    held.enter_context(sock)
+                    ports.append(port)
+        while len(ports) < count:
             sock = held.enter_context(socket.socket(family, socket.SOCK_STREAM))
             sock.bind((host, 0))
             ports.append(int(sock.getsockname()[1]))
