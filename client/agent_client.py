@@ -340,6 +340,11 @@ class FdClient:
         assert isinstance(reply, fd_wire.Pong)
         return {"ok": True, "epoch": reply.epoch, "engine": reply.engine}
 
+    def fileno(self) -> int:
+        """The fd socket's descriptor, -1 once closed (for a C check of what alive() asks)."""
+        sock = self._sock
+        return -1 if sock is None else sock.fileno()
+
     def alive(self) -> bool:
         """True while the agent end is open: no round trip, about a microsecond.
 

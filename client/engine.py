@@ -60,7 +60,7 @@ from hixl.staging import DeviceCopier, DevicePaths, StagingConfig
 from hixl.table import MAX_ADDRESS, AddressTable, check_range
 from hixl.tls import ClientTLS, TlsSetting, client_tls
 from hixl.transports.base import Item, Runs, Transport
-from hixl.transports.fabric import FabricTransport
+from hixl.transports.fabric import FabricTransport, MappedRange
 from hixl.transports.tcp import SocketTransport
 from hixl.types import (
     MemType,
@@ -870,6 +870,26 @@ class Engine:
 
     def is_connected(self, remote: str) -> bool:
         return remote in self._peers
+
+    def mapped_range(self, remote: str, remote_addr: int, length: int) -> MappedRange | None:
+        """`remote`'s [remote_addr, +length) as mapped in this process, for a caller that
+        reads it again and again itself (the store's repeated get of a cached key): None
+        unless a connected peer serves it inside one readable segment on the fabric path.
+        Its `read_into` checks after each copy what a READ transfer checks; such reads
+        are not counted in `traffic`."""
+        peer = self._peers.get(remote)
+        if peer is None or peer.fabric is None:
+            return None
+        hit = peer.table.lookup(remote_addr)
+        if hit is None or remote_addr + length > hit[1]:
+            return None
+        segment = hit[2]
+        if not (segment.shareable and int(segment.perms) & _NEED_READ):
+            return None
+        try:
+            return peer.fabric.mapped_range(segment, remote_addr, length)
+        except HixlError:
+            return None
 
     # ------------------------------------------------------------------ metrics
 

@@ -543,6 +543,10 @@ class LocationCache:
     of the value only after `cache_ttl` from when it answered, which is later, so no
     client reads a cached location of a value once its removal has returned. The
     client's own puts and removals drop their keys at once.
+
+    A reader may also keep, beside an entry, where its bytes are mapped (`keep_source`):
+    the next read of the key then takes it from `source` -- one dict read, no lock -- for
+    exactly as long as the entry itself is fresh.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
@@ -551,6 +555,9 @@ class LocationCache:
         self._max = max_entries
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[GetReplicasResult, float]] = {}
+        #: key -> (the entry's result, a source kept for it); valid while that result is
+        #: the key's fresh entry
+        self._sources: dict[str, tuple[GetReplicasResult, Any]] = {}
         #: gets answered from the cache, for tests and operators
         self.hits = 0
 
@@ -561,9 +568,37 @@ class LocationCache:
                 return None
             if self._clock() >= entry[1]:
                 del self._entries[key]
+                self._sources.pop(key, None)
                 return None
             self.hits += 1
             return entry[0]
+
+    def source(self, key: str) -> Any | None:
+        """The source kept for `key`'s entry while that entry is fresh; else None. No lock:
+        entries and sources are replaced whole, and a source counts only beside the very
+        result it was kept for."""
+        kept = self._sources.get(key)
+        if kept is None:
+            return None
+        entry = self._entries.get(key)
+        if entry is None or entry[0] is not kept[0] or self._clock() >= entry[1]:
+            return None
+        self.hits += 1
+        return kept[1]
+
+    def still_kept(self, key: str, source: Any) -> bool:
+        """`source` is still kept for `key`: its entry was neither dropped nor replaced since
+        `source(key)` returned it. A removal drops the key before it asks the master, so a
+        copy made before this answers True read bytes the master had not freed yet."""
+        kept = self._sources.get(key)
+        return kept is not None and kept[1] is source
+
+    def keep_source(self, key: str, result: GetReplicasResult, source: Any) -> None:
+        """Keep `source` for `key` if `result` is still its entry."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] is result:
+                self._sources[key] = (result, source)
 
     def put(self, key: str, result: GetReplicasResult, sent: float) -> None:
         """Keep `result` (of a GetReplicas sent at `sent`) if the master let us."""
@@ -573,9 +608,12 @@ class LocationCache:
         with self._lock:
             entries = self._entries
             entries.pop(key, None)
+            self._sources.pop(key, None)
             entries[key] = (result, until)
             while len(entries) > self._max:
-                del entries[next(iter(entries))]
+                oldest = next(iter(entries))
+                del entries[oldest]
+                self._sources.pop(oldest, None)
 
     def key_of(self, result: GetReplicasResult) -> str | None:
         """The key `result` is cached under, if it came from this cache."""
@@ -589,10 +627,12 @@ class LocationCache:
         with self._lock:
             for key in keys:
                 self._entries.pop(key, None)
+                self._sources.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._sources.clear()
 
 
 class ReadGate:

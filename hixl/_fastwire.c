@@ -506,6 +506,42 @@ static PyObject *copy_stream(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* read_checked(dst, src, length, word, expect, fd): memmove a mapped peer range into
+ * this process's memory, then the two checks a READ transfer makes after its copy, in the
+ * same call: the owner's liveness word at address `word` still reads `expect` (the segment
+ * is still served), and the owner agent's unix socket `fd` has not hung up (poll, then a
+ * MSG_PEEK for end-of-file if it is readable). True when both hold. For the store's
+ * repeated get of a cached key (hixl.transports.fabric.MappedRange), where three Python
+ * calls around a 64 KiB memmove cost half as much as the copy. */
+static PyObject *read_checked(PyObject *self, PyObject *args) {
+    unsigned long long dst, src, word, expect;
+    Py_ssize_t length;
+    int fd;
+    if (!PyArg_ParseTuple(args, "KKnKKi", &dst, &src, &length, &word, &expect, &fd)) return NULL;
+    if (length < 0) {
+        PyErr_SetString(PyExc_ValueError, "read_checked(): length is negative");
+        return NULL;
+    }
+    int served, alive = 1;
+    Py_BEGIN_ALLOW_THREADS
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)length);
+    served = *(volatile const uint64_t *)(uintptr_t)word == expect;
+    if (served) {
+        struct pollfd p = {fd, POLLIN | POLLRDHUP, 0};
+        int n = poll(&p, 1, 0);
+        if (n < 0 || (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)))) {
+            alive = 0;
+        } else if (n > 0) {  /* readable: data (alive) or end-of-file (gone) */
+            char byte;
+            ssize_t got = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+            alive = got > 0 || (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK
+                                            || errno == EINTR));
+        }
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(served && alive);
+}
+
 /* copy_runs(dst, src, lengths, stream=0): memmove(dst[i], src[i], lengths[i]) for every i; three
  * int64 arrays of one length (hixl.memory.copy_arrays' moves). One C loop with the GIL
  * released, instead of a ctypes call (or a numpy gather and scatter) per move: 4 KiB pages
@@ -593,6 +629,7 @@ static PyMethodDef methods[] = {
     {"serve", serve, METH_VARARGS, "Answer lone accepted WRITE/READ frames (agent side)."},
     {"copy_runs", copy_runs, METH_VARARGS, "memmove per (dst, src, length) of int64 arrays."},
     {"copy_stream", copy_stream, METH_VARARGS, "One move with streaming (non-temporal) stores."},
+    {"read_checked", read_checked, METH_VARARGS, "memmove, then a liveness word and a socket."},
     {"header", header, METH_VARARGS, "The 48-byte header wire.py packs."},
     {"unpack", unpack, METH_O, "The fields of a 48-byte header."},
     {NULL, NULL, 0, NULL}};

@@ -100,6 +100,8 @@ class StateView:
         self._mmap = mmap.mmap(fd, capacity * WORD, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self._words = memoryview(self._mmap).cast("Q")
         self.capacity = capacity
+        #: where slot 0's word is mapped in this process (a C reader checks a word itself)
+        self.address = int(np.frombuffer(self._mmap, np.uint64).ctypes.data)
 
     def holds(self, slot: int, segment_id: int) -> bool:
         """True while the owner still serves `segment_id` in `slot`."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -221,3 +222,34 @@ def test_copy_stream_refuses_a_negative_length() -> None:
     dst = np.zeros(16, dtype=np.uint8)
     with pytest.raises(ValueError, match="length is negative"):
         copy_stream(_addr(dst), _addr(dst), -1)  # type: ignore[operator]
+
+
+def test_read_checked_copies_then_reports_the_owners_word_and_socket() -> None:
+    """hixl._fastwire.read_checked (the store's repeated cached get): the bytes always
+    land; True only while the liveness word still reads the expected id and the owner's
+    socket has not hung up (data waiting on it is not a hang-up)."""
+    read_checked = getattr(memory._FASTWIRE, "read_checked", None)
+    if read_checked is None:
+        pytest.skip("hixl._fastwire is not built here (no compiler) or HIXL_FASTWIRE=0")
+    src = np.random.default_rng(5).integers(0, 256, 65536 + 3, dtype=np.uint8)
+    words = np.zeros(4, np.uint64)
+    words[2] = 77
+    word = _addr(words) + 2 * 8
+    ours, owners = socket.socketpair()
+    try:
+        def read(expect: int) -> tuple[bool, bool]:
+            dst = np.zeros_like(src)
+            ok = read_checked(_addr(dst), _addr(src), src.nbytes, word, expect, ours.fileno())
+            return ok, bool(np.array_equal(dst, src))
+
+        assert read(77) == (True, True)
+        assert read(78) == (False, True)        # the segment is not (or no longer) served
+        owners.send(b"x")                        # readable, but the owner is there
+        assert read(77) == (True, True)
+        owners.close()                           # the owner died: its end closed
+        assert read(77) == (False, True)
+        with pytest.raises(ValueError, match="negative"):
+            read_checked(_addr(src), _addr(src), -1, word, 77, ours.fileno())
+    finally:
+        ours.close()
+        owners.close()

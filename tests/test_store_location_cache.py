@@ -8,6 +8,7 @@ cache. Waits are for conditions, under a deadline that only guards against a han
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -20,6 +21,7 @@ from hixl.client.mooncake import MooncakeDistributedStore, ReplicateConfig
 from hixl.client.store_client import MasterClient
 from hixl.store_codes import ErrorCode
 from hixl.tools.daemons import HolderProcess, MasterProcess
+from hixl.types import TransferOp
 
 MiB = 1 << 20
 GIVE_UP_S = 30.0   # only a guard against a hang
@@ -156,6 +158,75 @@ def test_eviction_never_takes_a_value_a_cache_may_still_read(
         assert check.exist_key("kept") == ErrorCode.OBJECT_NOT_FOUND
     assert reader("kept") == b""                          # never another value's bytes
     assert store.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+
+
+def fabric_reads(store: MooncakeDistributedStore) -> int:
+    """READ transfers this store's engine made over the fabric path (ops)."""
+    assert store._engine is not None
+    return store._engine.traffic.pair("fabric")[TransferOp.READ].ops
+
+
+def test_a_repeated_get_into_copies_from_the_kept_mapping_until_the_key_changes(
+        clients: tuple[MooncakeDistributedStore, ...]) -> None:
+    """From the second cached get_into of a key on, the client copies straight from where
+    the first one found its bytes mapped (no transfer); its own removal and replacement,
+    and another client's upsert, end that at once."""
+    writer, store = clients
+    reader = Reader(store, "get_into")
+    old, new, newer = pattern(7, 64 << 10), pattern(8, 40_000), pattern(9, 90_000)
+    assert writer.put("k", old) == 0
+    assert reader("k") == old and reader("k") == old     # asked the master; one transfer
+    transfers, hits = fabric_reads(store), store._locations.hits
+    for _ in range(5):
+        assert reader("k") == old
+    assert (fabric_reads(store), store._locations.hits) == (transfers, hits + 5)
+
+    assert store.upsert("k", new) == 0                     # its own replacement
+    assert reader("k") == new and reader("k") == new
+    assert store.remove("k", force=True) == 0              # its own removal (leased)
+    assert reader("k") == b""
+    assert store.last_error_code == ErrorCode.OBJECT_NOT_FOUND
+
+    assert writer.put("k", old) == 0
+    assert reader("k") == old and reader("k") == old     # kept again
+    assert writer.upsert("k", newer) == 0                 # another client's replacement
+    assert reader("k") == newer
+
+
+def test_reads_from_kept_mappings_racing_close_end_in_a_code_not_a_crash(
+        clients: tuple[MooncakeDistributedStore, ...]) -> None:
+    """Threads repeating cached get_into while the store closes: each call returns the
+    value whole or a negative code; the mappings they copy from stay mapped meanwhile."""
+    writer, store = clients
+    values = {f"k{i}": pattern(10 + i, 64 << 10) for i in range(4)}
+    for key, value in values.items():
+        assert writer.put(key, value) == 0
+    readers = [Reader(store, "get_into") for _ in values]
+    for (key, value), reader in zip(values.items(), readers, strict=True):
+        assert reader(key) == value and reader(key) == value   # the next ones: kept
+    outcomes: list[set[str]] = [set() for _ in readers]
+    started = threading.Barrier(len(readers) + 1)
+
+    def loop(index: int, key: str, value: bytes) -> None:
+        started.wait(GIVE_UP_S)
+        while True:
+            got = readers[index](key)
+            if got == b"":
+                outcomes[index].add("code")
+                return
+            outcomes[index].add("value" if got == value else "corrupt")
+
+    threads = [threading.Thread(target=loop, args=(i, key, value))
+               for i, (key, value) in enumerate(values.items())]
+    for thread in threads:
+        thread.start()
+    started.wait(GIVE_UP_S)
+    store.close()
+    for thread in threads:
+        thread.join(GIVE_UP_S)
+        assert not thread.is_alive()
+    assert all(outcome <= {"value", "code"} and "code" in outcome for outcome in outcomes), \
+        outcomes
 
 
 def test_cached_reads_of_a_killed_holder_fail_instead_of_reading_its_memory(

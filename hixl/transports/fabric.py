@@ -18,6 +18,10 @@ fails the transfer with ParamInvalid instead of taking bytes into withdrawn memo
 the copies it checks, for ~1 µs, that the owner agent is still alive: a write into memory
 whose owner died is reported FAILED, not silently lost.
 
+A caller that reads one range again and again (the store's repeated get of a cached
+key) may hold it as a `MappedRange`: each read is then one memmove and the same checks
+after it, without a transfer around them.
+
 Mappings are never unmapped under a running copy: each transfer holds the mappings it
 uses, and `close` (disconnect) or a remap (new epoch) only drops this transport's
 references; the kernel mapping goes with the last one, when the last copy using it ends.
@@ -31,6 +35,7 @@ device copy uses it -- always before the mapping it holds can be unmapped.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -41,8 +46,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hixl.errors import HixlError, NotConnected, ParamInvalid, PeerUnavailable, TransferTimeout
-from hixl.memory import FdGrant, Mapping, Move, copy_arrays, copy_moves, round_up
-from hixl.segment_states import StateView
+from hixl.memory import FdGrant, Mapping, Move, copy_arrays, copy_moves, load_fastwire, round_up
+from hixl.segment_states import WORD, StateView
 from hixl.transports.base import Item, Runs, Transport
 from hixl.types import Perm, SegmentInfo, TransferOp
 
@@ -57,6 +62,44 @@ class _Mapped(NamedTuple):
     delta: int
     slot: int
     mapping: Mapping
+
+
+class MappedRange:
+    """A range of a peer's segment as mapped here, held by a caller that reads it again and
+    again itself: the store's repeated get of a cached key, which then costs one memmove
+    and the checks a READ makes after its copy, instead of a transfer (resolve, batch,
+    account). Holding it keeps the mapping alive, so a disconnect racing `read_into`
+    never unmaps under it."""
+
+    __slots__ = ("_transport", "_mapped", "_word", "addr", "length")
+
+    def __init__(self, transport: FabricTransport, mapped: _Mapped, addr: int,
+                 length: int) -> None:
+        self._transport, self._mapped = transport, mapped
+        self._word = transport._states.address + mapped.slot * WORD  # type: ignore[union-attr]
+        self.addr, self.length = addr, length  # local (mapped) address and bytes
+
+    def read_into(self, dst: int) -> bool:
+        """Copy the range to `dst` (writable host memory of `length` bytes); False, with
+        `dst` perhaps overwritten, when the copy did not surely read a served segment: the
+        transport closed or remapped it (new epoch, withdrawn), or by the end of the copy
+        its owner had deregistered it (its memory may then hold anything) or died (its
+        values are gone with it, though its pages stay mapped here). The caller then asks
+        anew, as after a failed READ transfer. One C call with the compiled module."""
+        transport, mapped = self._transport, self._mapped
+        if transport._mappings.get(mapped.segment.segment_id) is not mapped:
+            return False
+        fd_client = transport._fd_client
+        if _read_checked is not None:
+            fd = fd_client.fileno()
+            return fd >= 0 and _read_checked(dst, self.addr, self.length, self._word,
+                                             mapped.segment.segment_id, fd)
+        ctypes.memmove(dst, self.addr, self.length)
+        return transport._states.holds(mapped.slot, mapped.segment.segment_id) \
+            and fd_client.alive()  # type: ignore[union-attr]
+
+
+_read_checked = getattr(load_fastwire(), "read_checked", None)
 
 
 class _Pin:
@@ -101,6 +144,12 @@ class FabricTransport(Transport):
             self._forget(hit)
             raise self._gone(segment, "before")
         return hit
+
+    def mapped_range(self, segment: SegmentInfo, remote_addr: int, length: int) -> MappedRange:
+        """[remote_addr, +length) of `segment` (checked by the caller to lie inside it) as a
+        MappedRange; raises as `mapped` does."""
+        hit = self.mapped(segment)
+        return MappedRange(self, hit, remote_addr + hit.delta, length)
 
     def _forget(self, hit: _Mapped) -> None:
         """Drop a withdrawn segment's mapping (unmapped once no copy holds it)."""
