@@ -65,7 +65,7 @@ BUDGET_WAIT_S = 1.0  # a body step the budget cannot cover waits this long, then
 BODY_TIMEOUT_S = 10.0  # a call body must arrive whole within this long of its header
 #: after answering, poll this long for the connection's next call before blocking (one
 #: connection at a time): see _Connection._spin_receive
-CALL_SPIN_US = 200
+CALL_SPIN_US = 500
 _GROW = 1 << 20  # a large body's buffer grows by this much as bytes arrive
 _ZEROS = bytes(_GROW)
 
