@@ -410,10 +410,12 @@ class MasterClient:
         `reads_done`: as `batch_put_end`'s."""
         request = store_pb2.CommitRequest(
             client_id=self.client_id, upsert=upsert, reads_done=reads_done,
-            config=replica_config_to_pb(config or ReplicaConfig()),
-            items=[store_pb2.CommitItem(key=key, value_length=size, ranges=[
-                store_pb2.ReservedRange(reservation_id=rid, addr=addr, length=length)
-                for rid, addr, length in ranges]) for key, size, ranges in items])
+            config=replica_config_to_pb(config or ReplicaConfig()))
+        add_item = request.items.add  # filled in place: half the time of nested messages
+        for key, size, ranges in items:
+            add_range = add_item(key=key, value_length=size).ranges.add
+            for rid, addr, length in ranges:
+                add_range(reservation_id=rid, addr=addr, length=length)
         reply = self._call("Commit", request, f"commit of {len(items)} key(s)", timeout)
         return list(reply.codes)
 
@@ -779,16 +781,18 @@ class ReservedSpace:
         """A placement per size (None: use the two-phase put), reserving at most once."""
         out: list[Placement | None] = [None] * len(sizes)
         with self._lock:
-            if self._disabled or self._clock() < self._off_until:
+            now = self._clock()
+            if self._disabled or now < self._off_until:
                 return out
             key = _placement_key(config)
             reserved = False
+            held = self._sets.get(key)
+            limit = self._limit(held)
             for index, size in enumerate(sizes):
                 need = (size + _ALIGN - 1) // _ALIGN * _ALIGN
-                held = self._sets.get(key)
-                if held is not None and self._too_big(held, need):
+                if need > limit:
                     continue  # the two-phase put's, whatever the room left
-                chosen = self._choose(held, need, config) if held is not None else None
+                chosen = self._choose(held, need, config, now) if held is not None else None
                 if chosen is None:
                     if held is not None:
                         self._retire(key)
@@ -796,9 +800,11 @@ class ReservedSpace:
                         break
                     reserved = True
                     held = self._reserve_locked(key, config)
-                    if held is None or self._too_big(held, need):
+                    limit = self._limit(held)
+                    now = self._clock()
+                    if held is None or need > limit:
                         continue
-                    chosen = self._choose(held, need, config)
+                    chosen = self._choose(held, need, config, now)
                     if chosen is None:
                         continue
                 out[index] = self._take(chosen, size, need)
@@ -871,26 +877,28 @@ class ReservedSpace:
         return sent + held.ttl_s * (1 - RESERVATION_MARGIN)
 
     @staticmethod
-    def _too_big(held: list[_Held], need: int) -> bool:
-        return any(need > h.reservation.space.length * PLACE_AT_MOST for h in held)
+    def _limit(held: list[_Held] | None) -> float:
+        """The largest value placed in `held` (larger ones take the two-phase put)."""
+        if not held:
+            return float("inf")
+        return min(h.reservation.space.length for h in held) * PLACE_AT_MOST
 
-    def _choose(self, held: list[_Held], need: int, config: ReplicaConfig,
+    @staticmethod
+    def _choose(held: list[_Held], need: int, config: ReplicaConfig, now: float,
                 ) -> list[_Held] | None:
         """The reservations one value of `need` bytes goes to: replica_num of them (fewer
         when the master found fewer segments), the first ones when the config prefers
         segments (the master returned them in its order), else at random, as the random
         strategy spreads values; None when they lack room or are no longer fresh."""
-        now = self._clock()
-
-        def usable(h: _Held) -> bool:
-            return not h.retired and now < h.fresh_until and h.room() >= need
-
         count = min(config.replica_num, len(held))
-        if config.preferred_segments or config.prefer_alloc_in_same_node:
-            first = held[:count]
-            return first if all(usable(h) for h in first) else None
-        candidates = [h for h in held if usable(h)]
-        return random.sample(candidates, count) if len(candidates) >= count else None
+        ordered = bool(config.preferred_segments or config.prefer_alloc_in_same_node)
+        candidates = [h for h in (held[:count] if ordered else held)
+                      if not h.retired and now < h.fresh_until and h.room() >= need]
+        if len(candidates) < count:
+            return None
+        if ordered:
+            return candidates
+        return [random.choice(candidates)] if count == 1 else random.sample(candidates, count)
 
     def _take(self, held: list[_Held], size: int, need: int) -> Placement:
         replicas, ranges = [], []

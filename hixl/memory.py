@@ -157,6 +157,11 @@ _STREAM_COPY = getattr(_FASTWIRE, "copy_stream", None) or ctypes.memmove
 # or more are split, in pieces of at least _COPY_PIECE_MIN. ctypes.memmove releases the
 # GIL, so the workers copy while the calling thread copies its own share.
 PARALLEL_COPY_MIN = 2 << 20
+#: the same for streamed copies: one thread's streaming stores reach 20-25 GB/s here, so
+#: below 8 MiB the hand-off costs more than a second thread gains (2 MiB: 82 µs on one
+#: thread, 165 with the pool; 4 MiB from a cold source a tie; 8784 KiB from a cold source
+#: 656 -> 476-555 µs with the pool)
+PARALLEL_STREAM_MIN = 8 << 20 if getattr(_FASTWIRE, "copy_stream", None) else PARALLEL_COPY_MIN
 _COPY_PIECE_MIN = 1 << 20
 COPY_THREADS = max(1, min(os.cpu_count() or 1, 4))
 _memmove = ctypes.memmove
@@ -258,8 +263,7 @@ def copy_arrays(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray,
             return
     if total is None:
         total = int(lengths.sum())
-    shares = min(COPY_THREADS, total // _COPY_PIECE_MIN) if total >= PARALLEL_COPY_MIN and \
-        total >= PARALLEL_MOVE_MIN * lengths.size else 1
+    shares = _shares(total, stream) if total >= PARALLEL_MOVE_MIN * lengths.size else 1
     run = fast or _run_arrays  # one share's moves
     if shares <= 1:
         run(dst, src, lengths, stream)
@@ -299,6 +303,13 @@ def split_moves(moves: Sequence[Move], shares: int) -> list[list[Move]]:
     return out
 
 
+def _shares(total: int, stream: bool) -> int:
+    """How many threads copy `total` bytes (1: the caller alone)."""
+    if total < (PARALLEL_STREAM_MIN if stream else PARALLEL_COPY_MIN):
+        return 1
+    return min(COPY_THREADS, total // _COPY_PIECE_MIN)
+
+
 def copy_moves(moves: Sequence[Move], total: int | None = None, *,
                stream: bool = False) -> None:
     """memmove every (dst, src, length); large totals on several threads at once.
@@ -311,7 +322,7 @@ def copy_moves(moves: Sequence[Move], total: int | None = None, *,
     """
     if total is None:
         total = sum(length for _, _, length in moves)
-    shares = min(COPY_THREADS, total // _COPY_PIECE_MIN) if total >= PARALLEL_COPY_MIN else 1
+    shares = _shares(total, stream)
     if shares <= 1:
         _run_moves(moves, stream)
         return

@@ -76,6 +76,17 @@ def test_copy_moves_copies_every_byte(sizes: list[int], stream: bool) -> None:
         segment.close()
 
 
+def test_streamed_copies_stay_on_one_thread_below_their_own_threshold() -> None:
+    """A hand-off costs more than a second thread gains for streamed copies under
+    PARALLEL_STREAM_MIN (docs/benchmarks.md §9); plain memmoves split from
+    PARALLEL_COPY_MIN."""
+    assert memory._shares(PARALLEL_COPY_MIN - 1, stream=False) == 1
+    assert memory._shares(memory.PARALLEL_STREAM_MIN - 1, stream=True) == 1
+    if memory.COPY_THREADS > 1:
+        assert memory._shares(PARALLEL_COPY_MIN, stream=False) > 1
+        assert memory._shares(memory.PARALLEL_STREAM_MIN, stream=True) > 1
+
+
 def test_copy_moves_in_a_forked_child() -> None:
     """The worker pool does not survive fork: a child must start its own, not wait forever."""
     size = PARALLEL_COPY_MIN * 2

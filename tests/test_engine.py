@@ -146,7 +146,8 @@ def test_put_get_random_offsets_single_batched_sync_async(node, fabric: str) -> 
 def test_unregistered_local_memory_only_with_the_opt_in(node, fabric: str) -> None:
     """Adapters moving Python objects skip registration explicitly (local_registered=False);
     everyone else is still refused before a byte moves. The blocks are large enough for
-    the fabric path's parallel copy, and unaligned on both sides."""
+    the fabric path's parallel copy of a READ (a WRITE's streamed copy takes one thread up
+    to PARALLEL_STREAM_MIN), and unaligned on both sides."""
     size = PARALLEL_COPY_MIN + (1 << 20) + 4097
     with Engine("127.0.0.1", {"EnableUseFabricMem": fabric}) as engine:
         engine.connect(node.engine, timeout=10)
