@@ -46,6 +46,7 @@
 #define HDR 48
 #define MAGIC 0x4858
 #define VERSION 1
+#define FLAG_VECTOR 8 /* wire.FLAG_VECTOR */
 #define OP_WRITE 2
 #define OP_READ 3
 #define OP_REPLY 4
@@ -377,6 +378,7 @@ static PyObject *serve(PyObject *self, PyObject *args) {
         /* alone on the stream: one receive brought exactly one whole frame, less than it
          * asked (the socket held nothing more: wire's "drained") */
         if (n < HDR || n >= want || get16(r) != MAGIC || r[2] != VERSION) break;
+        if (get16(r + 4) & FLAG_VECTOR) break; /* a vector request: Python reads its table */
         int opcode = r[3];
         uint64_t length = get64(r + 40);
         if (length == 0 || length > MAX_PAYLOAD) break;

@@ -24,6 +24,15 @@ costs one reply header per run instead of one per op, and the client can receive
 run's READ data with one scatter read straight into its destinations: no byte lands
 anywhere before the run's header said every op in it was accepted.
 
+Vectors: an agent whose HELLO (or AUTH) OK reply sets FLAG_VECTOR accepts *vector*
+WRITE/READ requests: FLAG_VECTOR set, `addr` = n (1..MAX_VECTOR_RANGES), `length` = the
+bytes of all n ranges, and right after the header a table of n (addr u64, length u64)
+entries (VECTOR_ENTRY) naming ranges of the one segment; a WRITE's data follows the table,
+the ranges' bytes back to back, and a READ's reply carries them so. Many pages that are
+not neighbours in the segment (a layer of a paged KV cache) then cost one frame, one
+check pass and one scatter/gather system call instead of one frame each. The agent
+checks every range before a byte moves; a refused vector fails all its ranges.
+
 Calls: the same framing and handshake carry the KV store's hot calls to hixl-master's
 call endpoint (`CallServerProtocol`; hixl.store_rpc): a CALL frame names the method in
 `segment_id`, and its payload is the caller's request id (for the logs; `addr` bytes of
@@ -42,6 +51,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hixl import auth, errors
 from hixl.types import Perm
 
@@ -57,6 +68,13 @@ MAX_CALL_REQUEST_ID = 64  # longest request id a CALL may carry (hixl.logs ids: 
 FLAG_ERROR_TEXT = 1  # a REPLY whose payload is a UTF-8 error message
 FLAG_CHALLENGE = 2  # a HELLO reply whose payload is the server nonce: send AUTH next
 FLAG_RUN = 4  # HELLO: the client reads run replies; REPLY: answers a run (count in `addr`)
+#: HELLO/AUTH OK reply: the agent serves vector requests; WRITE/READ: this is one
+FLAG_VECTOR = 8
+#: most ranges one vector request names (its ranges are one scatter/gather call's buffers)
+MAX_VECTOR_RANGES = 512
+VECTOR_ENTRY = struct.Struct("!QQ")  # one range of a vector request's table: addr, length
+#: the largest address a vector entry may name (an address plus a length stays in 63 bits)
+_VECTOR_MAX_VALUE = (1 << 62) - 1
 AUTH_PAYLOAD = auth.NONCE_SIZE + auth.PROOF_SIZE  # client nonce, then client proof
 
 
@@ -155,10 +173,13 @@ _OPCODES = frozenset(int(op) for op in Op)
 
 
 def payload_length(header: Header) -> int:
-    """How many payload bytes follow this header on the stream."""
+    """How many payload bytes follow this header on the stream (a vector request's table
+    included)."""
+    table = header.addr * VECTOR_ENTRY.size if header.flags & FLAG_VECTOR and \
+        header.opcode in (Op.WRITE, Op.READ) else 0
     if header.opcode in (Op.WRITE, Op.HELLO, Op.REPLY, Op.AUTH, Op.CALL):
-        return header.length
-    return 0
+        return table + header.length
+    return table
 
 
 def reply_count(header: Header) -> int:
@@ -309,6 +330,38 @@ class Send:
 
 
 @dataclass(slots=True)
+class ReadTable:
+    """Read a vector request's `count`-byte range table, then pass it to `on_table`."""
+
+    count: int
+    opcode: int
+    request_id: int
+    segment_id: int
+    epoch: int
+    length: int
+
+
+class ReceiveVector:
+    """Receive the next `size` payload bytes into `targets` in order (segment memory, one
+    view per range), then acknowledge the vector WRITE (`request_id`, as ReceiveInto)."""
+
+    __slots__ = ("targets", "size", "request_id")
+
+    def __init__(self, targets: list[memoryview], size: int, request_id: int) -> None:
+        self.targets, self.size, self.request_id = targets, size, request_id
+
+
+class SendVector:
+    """Accept a vector READ: an OK (or a share of a run reply) carrying `size` bytes, the
+    `views` (segment memory, one per range) back to back."""
+
+    __slots__ = ("views", "size", "request_id")
+
+    def __init__(self, views: list[memoryview], size: int, request_id: int) -> None:
+        self.views, self.size, self.request_id = views, size, request_id
+
+
+@dataclass(slots=True)
 class ReadHello:
     """Read `count` bytes of handshake payload (HELLO or AUTH), then pass them to `on_hello`."""
 
@@ -324,7 +377,8 @@ class Close:
     reason: str
 
 
-Action = ReceiveInto | Discard | Send | ReadHello | Close
+Action = (ReceiveInto | Discard | Send | ReadHello | Close | ReadTable | ReceiveVector
+          | SendVector)
 Resolver = Callable[[int], ServedSegment | None]
 
 
@@ -338,6 +392,8 @@ class _ServerHandshake:
 
     #: who refuses, in the messages ("this agent requires a cluster token")
     server_name = "agent"
+    #: what the OK reply that completes the handshake advertises (FLAG_VECTOR)
+    reply_flags = 0
 
     def __init__(self, epoch: int, token: bytes | None = None) -> None:
         self.epoch = epoch
@@ -403,7 +459,8 @@ class _ServerHandshake:
         self.peer_identity = self._identity.decode("utf-8", "replace")
         if self._token is None:
             self.authenticated = True
-            return Send(Header(Op.REPLY, request_id, epoch=self.epoch).pack())
+            return Send(Header(Op.REPLY, request_id, epoch=self.epoch,
+                               flags=self.reply_flags).pack())
         self._server_nonce = auth.new_nonce()
         return Send(Header(Op.REPLY, request_id, length=auth.NONCE_SIZE,
                            flags=FLAG_CHALLENGE).pack() + self._server_nonce)
@@ -419,8 +476,8 @@ class _ServerHandshake:
             return self._refuse(request_id, "wrong cluster token: the AUTH proof does not match")
         self.authenticated = True
         proof = auth.data_server_proof(self._token, client_nonce, server_nonce)
-        return Send(Header(Op.REPLY, request_id, epoch=self.epoch, length=len(proof)).pack()
-                    + proof)
+        return Send(Header(Op.REPLY, request_id, epoch=self.epoch, length=len(proof),
+                           flags=self.reply_flags).pack() + proof)
 
 
 class ServerProtocol(_ServerHandshake):
@@ -429,6 +486,8 @@ class ServerProtocol(_ServerHandshake):
     With a cluster `token`, the connection is `authenticated` only after a valid AUTH;
     without one, right after HELLO (authentication off).
     """
+
+    reply_flags = FLAG_VECTOR
 
     def __init__(self, resolve: Resolver, epoch: int, token: bytes | None = None) -> None:
         super().__init__(epoch, token)
@@ -447,9 +506,9 @@ class ServerProtocol(_ServerHandshake):
         checks inline, no Header object; everything else goes through `_on_frame`.
         """
         fields = _unpack_from(buffer, offset)
-        magic, version, op, _, _, _, epoch, rid, segment_id, addr, length = fields
+        magic, version, op, flags, _, _, epoch, rid, segment_id, addr, length = fields
         if (op in (_WRITE, _READ) and magic == MAGIC and version == VERSION
-                and self.authenticated and 0 < length <= MAX_PAYLOAD):
+                and not flags & FLAG_VECTOR and self.authenticated and 0 < length <= MAX_PAYLOAD):
             # resolve once: a second lookup could miss a segment deregistered in between
             segment = self._resolve(segment_id)
             if (segment is not None and segment.epoch == epoch and addr >= segment.base
@@ -481,6 +540,8 @@ class ServerProtocol(_ServerHandshake):
         rid = header.request_id
         if op == _PING:
             return Send(ok_reply(rid))
+        if header.flags & FLAG_VECTOR and op in (_WRITE, _READ):
+            return self._on_vector_header(header)
         if op == _REPLY:
             msg = "a client may not send REPLY frames"
             return Close(error_reply(rid, Reason.BAD_FRAME, msg), msg)
@@ -493,6 +554,52 @@ class ServerProtocol(_ServerHandshake):
             # the payload cannot be skipped safely: the stream is lost
             return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
         return Send(error_reply(rid, Reason.BAD_LENGTH, msg))
+
+    def _on_vector_header(self, header: Header) -> ReadTable | Close:
+        """A vector WRITE/READ: read its range table next (`on_table`). A count or length
+        out of bounds breaks the frame itself (what follows cannot be found): close."""
+        count, length, rid = header.addr, header.length, header.request_id
+        if not 1 <= count <= MAX_VECTOR_RANGES or not 0 < length <= MAX_PAYLOAD:
+            msg = (f"vector of {count} ranges and {length} bytes: at most "
+                   f"{MAX_VECTOR_RANGES} ranges, 1 to {MAX_PAYLOAD} bytes")
+            return Close(error_reply(rid, Reason.BAD_LENGTH, msg), msg)
+        return ReadTable(count * VECTOR_ENTRY.size, header.opcode, rid, header.segment_id,
+                         header.epoch, length)
+
+    def on_table(self, action: ReadTable, table: bytes | bytearray | memoryview
+                 ) -> ReceiveVector | SendVector | Discard | Send | Close:
+        """The range table of `action`'s vector request: every range checked (the
+        segment's identity, rights and bounds, the ranges adding up to the header's
+        length) before a byte moves. A refused WRITE's data is skipped (Discard)."""
+        writing = action.opcode == _WRITE
+        rid = action.request_id
+        count = len(table) // VECTOR_ENTRY.size
+        entries = np.frombuffer(table, ">u8", count * 2).reshape(count, 2)
+        addrs, lengths = entries[:, 0], entries[:, 1]
+        if int(addrs.max()) > _VECTOR_MAX_VALUE or int(lengths.min()) == 0 \
+                or int(lengths.max()) > MAX_PAYLOAD or int(lengths.sum()) != action.length:
+            msg = (f"vector table of {count} ranges: each length must be in [1, "
+                   f"{MAX_PAYLOAD}], each address below 2**62, and the lengths must add up "
+                   f"to the header's {action.length} bytes")
+            if writing:  # the data's extent is what the header said: skip it
+                return Discard(action.length, error_reply(rid, Reason.BAD_FRAME, msg))
+            return Send(error_reply(rid, Reason.BAD_FRAME, msg))
+        segment = self._resolve(action.segment_id)
+        header = Header(action.opcode, rid, action.segment_id, action.epoch,
+                        int(addrs.min()), 0)
+        header.length = int((addrs + lengths).max()) - header.addr  # the ranges' span
+        refusal = self._check(header, segment)
+        if refusal is None:
+            assert segment is not None
+            starts = (addrs - segment.base).tolist()
+            memory = segment.memory
+            views = [memory[start:start + n] for start, n in zip(starts, lengths.tolist(),
+                                                                 strict=True)]
+            if writing:
+                return ReceiveVector(views, action.length, rid)
+            return SendVector(views, action.length, rid)
+        reply = error_reply(rid, *refusal)
+        return Discard(action.length, reply) if writing else Send(reply)
 
     def _check(self, header: Header, segment: ServedSegment | None) -> tuple[Reason, str] | None:
         if segment is None:
@@ -621,6 +728,8 @@ class ClientProtocol:
         self._nonces: tuple[bytes, bytes] | None = None  # (server, client) while in AUTH
         #: the agent answered HELLO with a CHALLENGE: AUTH must follow
         self.challenged = False
+        #: the agent's handshake reply offered vector requests (FLAG_VECTOR)
+        self.vectors = False
 
     @property
     def outstanding(self) -> int:
@@ -699,6 +808,22 @@ class ClientProtocol:
         else:
             self._lengths += [0] * len(ops)
         return headers
+
+    def vector(self, opcode: int, segment_id: int, epoch: int,
+               ranges: list[tuple[int, int]]) -> bytes:
+        """A vector WRITE or READ of `ranges` (addr, length) of one segment: its header and
+        range table (a WRITE's data, the ranges' bytes in order, follows them). Only for
+        an agent that offered vectors (`vectors`)."""
+        if opcode not in (_WRITE, _READ) or not 1 <= len(ranges) <= MAX_VECTOR_RANGES:
+            raise ValueError(f"vector() encodes WRITE or READ of 1 to {MAX_VECTOR_RANGES} "
+                             f"ranges, not opcode {opcode} with {len(ranges)}")
+        total = sum(length for _, length in ranges)
+        if not 0 < total <= MAX_PAYLOAD:
+            raise ValueError(f"vector of {total} bytes: 1 to {MAX_PAYLOAD}")
+        rid = self._take_id(opcode, total if opcode == _READ else 0)
+        table = np.array(ranges, ">u8").tobytes()
+        return _pack(MAGIC, VERSION, opcode, FLAG_VECTOR, 0, 0, epoch, rid, segment_id,
+                     len(ranges), total) + table
 
     def request(self, opcode: int, segment_id: int, epoch: int, addr: int, length: int
                 ) -> tuple[bytes, bytes]:
@@ -780,9 +905,12 @@ class ClientProtocol:
                 raise ProtocolError(Reason.BAD_FRAME,
                                     f"HELLO reply carries {header.length} bytes")
             self.challenged = challenge
+            self.vectors = not challenge and bool(header.flags & FLAG_VECTOR)
         elif opcode == _AUTH and header.length != length:
             raise ProtocolError(Reason.BAD_FRAME,
                                 f"AUTH reply carries {header.length} bytes, expected {length}")
+        elif opcode == _AUTH:
+            self.vectors = bool(header.flags & FLAG_VECTOR)
         elif opcode == _CALL and header.length > MAX_CALL:
             raise ProtocolError(Reason.BAD_FRAME,
                                 f"call reply of {header.length} bytes exceeds {MAX_CALL}")

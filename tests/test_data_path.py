@@ -832,6 +832,13 @@ def test_unix_socket_mode_and_stale_file(served: Served, tmp_path: Path) -> None
 
 # ---------------------------------------------------------------- streams cut in small pieces
 
+class OldAgentProtocol(wire.ServerProtocol):
+    """An agent from before vector requests: its handshake does not offer them, so the
+    client sends it one frame per op (what the fake agents below answer op by op)."""
+
+    reply_flags = 0
+
+
 def dribble(sock: socket.socket, data: bytes, rng: random.Random) -> None:
     """Send in 1-7 byte pieces, so the peer sees every partial-read state."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -854,7 +861,7 @@ def test_client_reads_replies_arriving_in_pieces(served: Served) -> None:
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
-            proto = wire.ServerProtocol(served.resolve, EPOCH)
+            proto = OldAgentProtocol(served.resolve, EPOCH)
             while header := recv_exactly(conn, wire.HEADER_SIZE):
                 action = proto.on_header(header)
                 if isinstance(action, wire.ReadHello):
@@ -987,7 +994,7 @@ def test_run_replies_split_at_every_byte(served: Served, tmp_path: Path) -> None
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
-            proto = wire.ServerProtocol(served.resolve, EPOCH)
+            proto = OldAgentProtocol(served.resolve, EPOCH)
             hello = recv_exactly(conn, wire.HEADER_SIZE)
             action = proto.on_header(hello)
             assert isinstance(action, wire.ReadHello) and proto.runs
@@ -1042,9 +1049,10 @@ def test_run_replies_split_at_every_byte(served: Served, tmp_path: Path) -> None
 
 def test_refusals_between_runs_of_scattered_read_replies(served: Served, server: DataServer,
                                                          connect) -> None:
-    """The real agent answers a READ batch with runs around two refused ops: each accepted
-    op's data is right, the refused ops' destinations untouched, `.failed` exact. (The
-    remote pages have gaps between them, so each op is a frame of its own.)"""
+    """The real agent answers a READ batch around two refused ops: each accepted op's data
+    is right, the refused ops' destinations untouched, `.failed` exact. (The remote pages
+    have gaps between them: they go as vector requests, and the one holding op 10 is
+    refused whole, so the client runs its ops again one frame each to name op 10 alone.)"""
     info = served.add(1, size=1 << 20)
     ghost = SegmentInfo(77, "agent", "node", info.base, info.length, MemType.MEM_HOST,
                         Perm.RW, EPOCH, False)
@@ -1065,7 +1073,8 @@ def test_refusals_between_runs_of_scattered_read_replies(served: Served, server:
                         else served.bytes_of(1)[2 * n * 4096:(2 * n + 1) * 4096])
             assert got == expected, n
     assert server.counters["connections"] == 1
-    assert server.counters["refused"] == 6 and server.counters["ops_read"] == 3 * 62
+    # per batch: the vector holding op 10, then op 10 alone, and op 40 (another segment)
+    assert server.counters["refused"] == 9 and server.counters["ops_read"] == 3 * 62
 
 
 def test_agent_answers_many_headers_from_one_receive_with_runs(served: Served,
@@ -1216,3 +1225,34 @@ def test_a_broken_stream_fails_every_op_of_the_merged_frames_it_left_undone() ->
     assert tcp._undone(frames, tcp._StreamLost("closed", "x", 2, [(0, refused)])) == \
         {0, 1, 2, *range(5, 10)}
     assert list(frames.covered(1)) == [3, 4]
+
+
+def test_frames_of_one_segment_become_vector_requests_in_batch_order() -> None:
+    """`tcp._vectors` (unit): frames that follow one another in one segment and epoch go
+    as one vector request, up to the frame limit and MAX_VECTOR_RANGES ranges; a frame of
+    another segment stays a frame of its own; request ids follow the batch order."""
+    proto = wire.ClientProtocol()
+    requests = [(1, EPOCH, 0x1000, 10), (1, EPOCH, 0x3000, 20),   # a vector of 2
+                (2, EPOCH, 0x5000, 5),                              # another segment
+                (1, EPOCH, 0x7000, 30), (1, EPOCH, 0x9000, 40),     # over the limit together
+                (1, EPOCH + 1, 0xB000, 1)]                          # another epoch
+    views = [memoryview(bytearray(r[3])) for r in requests]
+    views[3] = [memoryview(bytearray(10)), memoryview(bytearray(20))]  # a merged frame
+    firsts, lasts, headers, pieces, vectors = tcp._vectors(
+        proto, wire.Op.WRITE, [0, 1, 2, 3, 5, 6], [0, 1, 2, 4, 5, 6], requests, views, 60)
+    assert vectors == [0]
+    assert (firsts, lasts) == ([0, 2, 3, 5, 6], [1, 2, 4, 5, 6])
+    decoded = [wire.decode_header(h[:wire.HEADER_SIZE]) for h in headers]
+    assert [h.request_id for h in decoded] == [1, 2, 3, 4, 5]
+    assert decoded[0].flags & wire.FLAG_VECTOR and (decoded[0].addr, decoded[0].length) == (2, 30)
+    assert [wire.VECTOR_ENTRY.unpack_from(headers[0], wire.HEADER_SIZE + 16 * i)
+            for i in range(2)] == [(0x1000, 10), (0x3000, 20)]
+    assert [len(h) for h in headers[1:]] == [wire.HEADER_SIZE] * 4
+    assert pieces[0] == [views[0], views[1]] and pieces[2] is views[3]
+    many = [(1, EPOCH, 0x10 * i, 1) for i in range(wire.MAX_VECTOR_RANGES + 3)]
+    *_, headers, _, vectors = tcp._vectors(wire.ClientProtocol(), wire.Op.READ,
+                                           list(range(len(many))), None, many,
+                                           [memoryview(bytearray(1))] * len(many), 1 << 20)
+    assert vectors == [0, 1]
+    assert [wire.decode_header(h[:wire.HEADER_SIZE]).addr for h in headers] == [
+        wire.MAX_VECTOR_RANGES, 3]

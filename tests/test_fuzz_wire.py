@@ -41,9 +41,12 @@ from hixl.wire import (
     Op,
     ProtocolError,
     ReadHello,
+    ReadTable,
     Reason,
     ReceiveInto,
+    ReceiveVector,
     Send,
+    SendVector,
     ServedSegment,
     ServerProtocol,
 )
@@ -171,6 +174,13 @@ class ServerDriver:
 
     def _act(self, fields: tuple[int, ...], action: wire.Action) -> None:
         magic, version, op, _flags, _reason, _status, epoch, rid, segment_id, addr, length = fields
+        if type(action) is ReadTable:
+            assert self.proto.authenticated and _flags & wire.FLAG_VECTOR
+            assert op in (Op.WRITE, Op.READ) and (action.request_id, action.epoch) == (rid, epoch)
+            assert action.count == addr * wire.VECTOR_ENTRY.size and 1 <= addr <= MAX_VECTOR
+            assert 1 <= length <= MAX_PAYLOAD
+            self.pending = ["table", action, bytearray(), fields]
+            return
         window = action.target if type(action) is ReceiveInto else (
             action.payload if type(action) is Send else None)
         if window is not None:
@@ -213,6 +223,49 @@ class ServerDriver:
                 assert_frame(action.reply)
             self.closed = True
 
+    def _vector(self, fields: tuple[int, ...], table_action: ReadTable, table: bytes) -> None:
+        """A vector request's table has come: check the protocol's answer against the
+        table itself (every range of an accepted vector inside its segment, with the
+        rights), then move the data as for one WRITE/READ."""
+        op, segment_id, epoch, length = fields[2], fields[8], fields[6], fields[10]
+        rid = fields[7]
+        action = self.proto.on_table(table_action, table)
+        ranges = [wire.VECTOR_ENTRY.unpack_from(table, at)
+                  for at in range(0, len(table), wire.VECTOR_ENTRY.size)]
+        if type(action) in (ReceiveVector, SendVector):
+            seg = self.memory.table[segment_id]
+            assert seg.epoch == epoch and action.request_id == rid
+            assert seg.perms & (Perm.WRITE if op == Op.WRITE else Perm.READ)
+            assert (op == Op.WRITE) == (type(action) is ReceiveVector)
+            views = action.targets if type(action) is ReceiveVector else action.views
+            assert len(views) == len(ranges) and sum(n for _, n in ranges) == length
+            assert action.size == length
+            lay = BY_ID[segment_id]
+            spots = []
+            for (at, n), view in zip(ranges, views, strict=True):
+                assert n >= 1 and seg.base <= at and at + n <= seg.base + seg.length
+                assert len(view) == n
+                assert address_of(view) == address_of(seg.memory) + (at - seg.base)
+                spots.append(lay.offset + at - seg.base)
+            self.served += 1
+            if type(action) is ReceiveVector:
+                self.pending = ["vwrite", action, 0, spots]
+            else:
+                data = b"".join(bytes(view) for view in views)
+                assert data == b"".join(bytes(self.memory.backing[s:s + len(v)])
+                                        for s, v in zip(spots, views, strict=True))
+                reply = wire.ok_reply(rid, length) + data
+                assert assert_frame(reply, rid).status == errors.SUCCESS
+                self.replies.append(reply)
+        elif type(action) is Discard:
+            assert op == Op.WRITE and action.count == length
+            assert assert_frame(action.reply, rid).flags & wire.FLAG_ERROR_TEXT
+            self.pending = ["discard", action, action.count]
+        else:
+            assert type(action) is Send and op == Op.READ, action
+            assert assert_frame(action.reply, rid).status != errors.SUCCESS
+            self.replies.append(action.reply)
+
     def _payload(self) -> bool:
         """Move payload bytes for the pending action; False when more are needed."""
         kind, action = self.pending[0], self.pending[1]
@@ -226,6 +279,24 @@ class ServerDriver:
             if filled < len(action.target):
                 return False
             self.replies.append(action.reply)
+        elif kind == "vwrite":
+            filled, spots = self.pending[2], self.pending[3]
+            take = bytes(self.buf[:action.size - filled])
+            del self.buf[:len(take)]
+            done = 0
+            at = 0
+            for view, spot in zip(action.targets, spots, strict=True):  # in range order
+                lo, hi = max(filled, at), min(filled + len(take), at + len(view))
+                if lo < hi:
+                    piece = take[lo - filled:hi - filled]
+                    view[lo - at:hi - at] = piece
+                    self.memory.expected[spot + lo - at:spot + hi - at] = piece
+                    done += hi - lo
+                at += len(view)
+            self.pending[2] = filled = filled + done
+            if filled < action.size:
+                return False
+            self.replies.append(wire.ok_reply(action.request_id))
         elif kind == "discard":
             take = min(self.pending[2], len(self.buf))
             del self.buf[:take]
@@ -233,6 +304,17 @@ class ServerDriver:
             if self.pending[2]:
                 return False
             self.replies.append(action.reply)
+        elif kind == "table":
+            got = self.pending[2]
+            take = bytes(self.buf[:action.count - len(got)])
+            del self.buf[:len(take)]
+            got += take
+            if len(got) < action.count:
+                return False
+            fields = self.pending[3]
+            self.pending = []
+            self._vector(fields, action, bytes(got))
+            return True
         else:
             got = self.pending[2]
             take = bytes(self.buf[:action.count - len(got)])
@@ -252,6 +334,7 @@ class ServerDriver:
 
 # ---------------------------------------------------------------- strategies
 
+MAX_VECTOR = wire.MAX_VECTOR_RANGES
 u8 = st.integers(0, 0xFF)
 u16 = st.integers(0, 0xFFFF)
 u32 = st.integers(0, 0xFFFF_FFFF)
@@ -321,6 +404,39 @@ def frames(draw: st.DrawFn, poison: bool = False) -> bytes:
     return header + random.Random(draw(u32)).randbytes(min(carried, 8192))
 
 
+VECTOR_COUNT = st.one_of(st.integers(1, 6), st.sampled_from([0, MAX_VECTOR, MAX_VECTOR + 1]),
+                        u64)
+VECTOR_TOTAL = st.sampled_from(["sum", "sum", "sum", "off", "any"])
+
+
+@st.composite
+def vector_frames(draw: st.DrawFn) -> bytes:
+    """A vector WRITE/READ whose table holds ranges in and around a segment (or anywhere),
+    and whose header's count and length may disagree with the table: each refusal must
+    keep the stream in step (or close it), no range outside its segment served."""
+    lay = draw(LAYOUT)
+    opcode = draw(st.sampled_from([Op.WRITE, Op.READ]))
+    count = draw(VECTOR_COUNT)
+    ranges = []
+    for _ in range(min(count, 6)):
+        if draw(ONE_IN_FIVE):
+            at = lay.base + draw(SMALL) % lay.length
+            ranges.append((at, 1 + draw(SMALL) % (lay.base + lay.length - at)))
+        else:
+            ranges.append((draw(EDGE_ADDR[lay.segment_id]), draw(EDGE_LENGTH[lay.segment_id])))
+    total = sum(n for _, n in ranges)
+    how = draw(VECTOR_TOTAL)
+    length = total if how == "sum" else (total + 1 if how == "off" else draw(u64))
+    length &= U64
+    epoch = EPOCH if draw(ONE_IN_FIVE) else draw(HOSTILE_EPOCH)
+    segment_id = lay.segment_id if draw(ONE_IN_FIVE) else draw(HOSTILE_SEGMENT)
+    header = HEADER.pack(MAGIC, VERSION, opcode, wire.FLAG_VECTOR | draw(FLAGS), 0, 0, epoch,
+                         draw(u64), segment_id, count, length)
+    table = b"".join(wire.VECTOR_ENTRY.pack(at & U64, n & U64) for at, n in ranges)
+    data = random.Random(draw(u32)).randbytes(min(length, 8192)) if opcode == Op.WRITE else b""
+    return header + table + data
+
+
 def hello_frame(runs: bool, identity: bytes) -> bytes:
     frame = bytearray(wire.hello(1, identity))
     if runs:
@@ -330,7 +446,7 @@ def hello_frame(runs: bool, identity: bytes) -> bytes:
 
 STARTS = st.sampled_from(["hello", "hello", "hello-runs", "hello-runs", "none", "garbage"])
 POISONS = st.sampled_from(["none", "frame", "garbage"])
-CLEAN_FRAMES = st.lists(frames(), max_size=10)
+CLEAN_FRAMES = st.lists(st.one_of(frames(), frames(), vector_frames()), max_size=10)
 POISON_FRAME = frames(poison=True)
 GARBAGE = st.binary(min_size=1, max_size=80)
 
@@ -488,9 +604,10 @@ def test_bad_magic_version_opcode_close_with_bad_frame(patch: dict[str, int],
 
 
 @pytest.mark.parametrize("flags", [wire.FLAG_ERROR_TEXT, wire.FLAG_CHALLENGE, wire.FLAG_RUN,
-                                   0xFFFF])
+                                   0xFFFF & ~wire.FLAG_VECTOR])
 def test_request_flags_do_not_change_what_is_served(flags: int) -> None:
-    """Flags mean something only on HELLO and replies; on a WRITE/READ they are ignored."""
+    """Flags mean something only on HELLO and replies, and FLAG_VECTOR on WRITE/READ (its
+    own tests); any other flag on a WRITE/READ is ignored."""
     proto, memory = served_protocol()
     lay = BY_ID[1]
     write = proto.on_header(HEADER.pack(MAGIC, VERSION, Op.WRITE, flags, 0, 0, EPOCH, 2, 1,

@@ -705,3 +705,122 @@ def test_client_refuses_malformed_challenges(reply: bytes, words: str) -> None:
     client.hello(b"me")
     with pytest.raises(ProtocolError, match=words):
         client.on_reply_header(reply)
+
+
+# ---------------------------------------------------------------- vector requests
+
+def vector_frame(op: Op, ranges: list[tuple[int, int]], *, segment_id: int = 1,
+                 epoch: int = EPOCH) -> tuple[wire.ClientProtocol, bytes, bytes]:
+    """A client's vector request: (its protocol, the header, the range table)."""
+    client = wire.ClientProtocol()
+    frame = client.vector(op, segment_id, epoch, ranges)
+    return client, frame[:HEADER_SIZE], frame[HEADER_SIZE:]
+
+
+def test_the_handshake_offers_vectors_and_the_client_learns_it() -> None:
+    proto = ServerProtocol({}.get, epoch=3)
+    proto.on_header(wire.hello(1, b"peer")[:HEADER_SIZE])
+    reply = proto.on_hello(1, b"peer").reply
+    assert wire.decode_header(reply).flags & wire.FLAG_VECTOR
+    client = wire.ClientProtocol()
+    client.hello(b"peer")
+    client.on_reply_header(reply)
+    assert client.vectors
+    old_agent = wire.ClientProtocol()  # an agent that does not offer them: never used
+    old_agent.hello(b"peer")
+    old_agent.on_reply_header(wire.Header(Op.REPLY, 1, epoch=3).pack())
+    assert not old_agent.vectors
+    calls = wire.CallServerProtocol({1: "Commit"})  # the store call endpoint: no vectors
+    calls.on_header(wire.hello(1, b"peer")[:HEADER_SIZE])
+    assert not wire.decode_header(calls.on_hello(1, b"peer").reply).flags & wire.FLAG_VECTOR
+
+
+def test_a_vector_write_lands_each_range_where_its_entry_says() -> None:
+    segment = make_segment()
+    proto = make_server(segment)
+    ranges = [(BASE + 4096, 3), (BASE, 2), (BASE + SIZE - 4, 4)]   # any order, not adjacent
+    client, header, table = vector_frame(Op.WRITE, ranges)
+    wanted = wire.decode_header(header)
+    assert (wanted.addr, wanted.length) == (3, 9)
+    assert wire.payload_length(wanted) == len(table) + 9
+    action = proto.on_header(header)
+    assert isinstance(action, wire.ReadTable) and action.count == len(table) == 48
+    accepted = proto.on_table(action, table)
+    assert isinstance(accepted, wire.ReceiveVector) and accepted.size == 9
+    data = b"abcdefghi"
+    at = 0
+    for view in accepted.targets:
+        view[:] = data[at:at + len(view)]
+        at += len(view)
+    memory = bytes(segment.memory)
+    assert memory[4096:4099] == b"abc" and memory[:2] == b"de" and memory[-4:] == b"fghi"
+    assert memory.count(0) == SIZE - 9
+    client.on_reply_header(wire.ok_reply(accepted.request_id))
+    assert client.outstanding == 0
+
+
+def test_a_vector_read_sends_its_ranges_back_to_back() -> None:
+    segment = make_segment()
+    segment.memory[:] = bytes(range(256)) * (SIZE // 256)
+    proto = make_server(segment)
+    ranges = [(BASE + 10, 2), (BASE + 300, 3)]
+    client, header, table = vector_frame(Op.READ, ranges)
+    assert wire.payload_length(wire.decode_header(header)) == len(table)
+    accepted = proto.on_table(proto.on_header(header), table)
+    assert isinstance(accepted, wire.SendVector) and accepted.size == 5
+    assert b"".join(bytes(v) for v in accepted.views) == bytes([10, 11, 44, 45, 46])
+    reply = client.on_reply_header(wire.ok_reply(accepted.request_id, 5))
+    assert reply.length == 5 and client.outstanding == 0
+
+
+@pytest.mark.parametrize(("perms", "op", "ranges", "reason", "words"), [
+    (Perm.RW, Op.WRITE, [(BASE, 4), (BASE + SIZE - 2, 3)], Reason.OUT_OF_RANGE, "outside"),
+    (Perm.RW, Op.READ, [(BASE - 1, 2)], Reason.OUT_OF_RANGE, "outside"),
+    (Perm.READ, Op.WRITE, [(BASE, 4)], Reason.PERMISSION, "does not allow writes"),
+    (Perm.WRITE, Op.READ, [(BASE, 4)], Reason.PERMISSION, "does not allow reads"),
+])
+def test_a_vector_with_one_bad_range_is_refused_whole(perms: Perm, op: Op, ranges: list,
+                                                      reason: Reason, words: str) -> None:
+    segment = make_segment(perms=perms)
+    proto = make_server(segment)
+    _, header, table = vector_frame(op, ranges)
+    refused = proto.on_table(proto.on_header(header), table)
+    if op == Op.WRITE:  # the data is skipped: the stream stays in step
+        assert isinstance(refused, Discard) and refused.count == sum(n for _, n in ranges)
+    else:
+        assert isinstance(refused, Send) and refused.payload is None
+    assert_refused(refused.reply, reason, words)
+    assert not any(segment.memory)
+
+
+def test_a_table_that_disagrees_with_its_header_is_refused() -> None:
+    proto = make_server(make_segment())
+    _, header, _ = vector_frame(Op.WRITE, [(BASE, 4), (BASE + 8, 4)])
+    for table in (wire.VECTOR_ENTRY.pack(BASE, 4) + wire.VECTOR_ENTRY.pack(BASE + 8, 5),
+                  wire.VECTOR_ENTRY.pack(BASE, 8) + wire.VECTOR_ENTRY.pack(BASE + 8, 0),
+                  wire.VECTOR_ENTRY.pack(1 << 63, 4) + wire.VECTOR_ENTRY.pack(BASE, 4)):
+        refused = proto.on_table(proto.on_header(header), table)
+        assert isinstance(refused, Discard) and refused.count == 8
+        assert_refused(refused.reply, Reason.BAD_FRAME, "add up")
+
+
+@pytest.mark.parametrize(("count", "length"), [(0, 8), (wire.MAX_VECTOR_RANGES + 1, 8),
+                                               (1, 0), (1, MAX_PAYLOAD + 1)])
+def test_a_vector_header_out_of_bounds_closes(count: int, length: int) -> None:
+    proto = make_server(make_segment())
+    raw = wire.HEADER.pack(wire.MAGIC, wire.VERSION, Op.WRITE, wire.FLAG_VECTOR, 0, 0, EPOCH,
+                           5, 1, count, length)
+    closed = proto.on_header(raw)
+    assert isinstance(closed, Close)
+    assert_refused(closed.reply, Reason.BAD_LENGTH, "ranges")
+
+
+def test_the_client_encodes_only_what_a_vector_can_carry() -> None:
+    client = wire.ClientProtocol()
+    with pytest.raises(ValueError, match="WRITE or READ"):
+        client.vector(Op.PING, 1, EPOCH, [(BASE, 1)])
+    with pytest.raises(ValueError, match="1 to"):
+        client.vector(Op.WRITE, 1, EPOCH, [])
+    with pytest.raises(ValueError, match="1 to"):
+        client.vector(Op.WRITE, 1, EPOCH, [(BASE, 1)] * (wire.MAX_VECTOR_RANGES + 1))
+    assert client.outstanding == 0

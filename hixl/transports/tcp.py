@@ -111,14 +111,20 @@ class _Frames:
     """The request frames of one exchange, as parallel lists (no object per frame).
 
     A frame carries one op, or several ops whose remote ranges follow one another in one
-    segment (`_merge`): their local ranges are then its payload's (or reply data's) pieces,
-    a list of views, and `lasts` names the last op's position."""
+    segment (`_merge`), or several ranges of one segment (a vector request, `_vectors`):
+    their local ranges are then its payload's (or reply data's) pieces, a list of views,
+    and `lasts` names the last op's position."""
 
     positions: list[int]  # each frame's (first) item position in the batch; -1: control
     headers: list[bytes]  # each frame's header (a PING is its header alone)
     payloads: list[Any] | None = None  # WRITE: each frame's data (a view or a list of them)
     targets: list[Any] | None = None  # READ: where each reply's data lands (the same)
     lasts: list[int] | None = None  # each frame's last item position; None: one item each
+    vectors: list[int] | None = None  # which frames are vector requests (refused whole)
+
+    def vector_positions(self) -> set[int]:
+        """The item positions that vector requests carry."""
+        return {pos for frame in self.vectors or () for pos in self.covered(frame)}
 
     def covered(self, frame: int) -> range:
         """The item positions frame number `frame` carries."""
@@ -163,6 +169,62 @@ def _merge(positions: list[int], requests: list[tuple[int, int, int, int]],
               (*requests[a][:3], sum(r[3] for r in requests[a:b])) for a, b in groups]
     pieces = [views[a] if b - a == 1 else views[a:b] for a, b in groups]
     return firsts, lasts, merged, pieces
+
+
+def _vectors(proto: wire.ClientProtocol, opcode: int, positions: list[int],
+             lasts: list[int] | None, requests: list[tuple[int, int, int, int]],
+             views: list[Any], limit: int
+             ) -> tuple[list[int], list[int], list[bytes], list[Any], list[int]]:
+    """Frames (after `_merge`) that follow one another in one segment become one vector
+    request each (wire: FLAG_VECTOR), of at most `limit` bytes and MAX_VECTOR_RANGES
+    ranges: the pages of a KV layer, strewn over the pool, cost the agent one frame, one
+    check pass and one scatter read, not one frame each. Returns (first positions, last
+    positions, request frames, local views per frame, the frame numbers of vectors)."""
+    vectors: list[int] = []
+    out_first: list[int] = []
+    out_last: list[int] = []
+    headers: list[bytes] = []
+    pieces: list[Any] = []
+    singles: list[int] = []  # frames sent as they are, encoded together
+
+    def flush() -> None:
+        if singles:
+            headers.extend(proto.requests(opcode, [requests[k] for k in singles]))
+            singles.clear()
+
+    count = len(requests)
+    index = 0
+    while index < count:
+        segment, epoch, _, size = requests[index]
+        end = index + 1
+        while end < count and end - index < wire.MAX_VECTOR_RANGES:
+            seg, ep, _, length = requests[end]
+            if seg != segment or ep != epoch or size + length > limit:
+                break
+            size += length
+            end += 1
+        if end - index == 1:
+            singles.append(index)
+            out_first.append(positions[index])
+            out_last.append(lasts[index] if lasts is not None else positions[index])
+            pieces.append(views[index])
+        else:
+            flush()
+            vectors.append(len(out_first))
+            headers.append(proto.vector(opcode, segment, epoch,
+                                        [(r[2], r[3]) for r in requests[index:end]]))
+            out_first.append(positions[index])
+            out_last.append(lasts[end - 1] if lasts is not None else positions[end - 1])
+            local: list[Any] = []
+            for part in views[index:end]:
+                if type(part) is list:
+                    local += part
+                else:
+                    local.append(part)
+            pieces.append(local)
+        index = end
+    flush()
+    return out_first, out_last, headers, pieces, vectors
 
 
 def _views(addrs: list[int], lengths: list[int], *, writable: bool) -> list[memoryview]:
@@ -698,13 +760,40 @@ class SocketTransport(Transport):
             raise
         if len(conns) == 1:
             refusals = self._exchange(conn, frames, deadline, what, items)
+            sets = [frames]
         else:
             refusals = self._exchange_striped(lanes, deadline, what, items)
+            sets = [lane_frames for _, lane_frames in lanes]
+        if refusals and any(frame_set.vectors for frame_set in sets):
+            whole = set().union(*(frame_set.vector_positions() for frame_set in sets))
+            refusals = self._narrow(op, items, refusals, whole, deadline, what)
         if refusals:
             failed = sorted({items[pos].index for pos, _ in refusals})
             first = min(refusals, key=lambda refusal: refusal[0])[1]
             first.failed = failed
             raise first
+
+    def _narrow(self, op: TransferOp, items: Sequence[Item],
+                refusals: list[tuple[int, HixlError]], vectored: set[int], deadline: float,
+                what: str) -> list[tuple[int, HixlError]]:
+        """The agent refuses a vector request whole, for its first bad range: run the ops
+        of refused vectors (`vectored`: the positions vectors carried) once more, one
+        frame each (nothing of a refused frame moved, so no byte is moved twice), so
+        that `.failed` names exactly the ops refused, as without vectors. Costs a round
+        trip on the error path only."""
+        positions = sorted({pos for pos, _ in refusals if pos in vectored})
+        if not positions:
+            return refusals
+        kept = [(pos, error) for pos, error in refusals if pos not in vectored]
+        retry = [items[pos] for pos in positions]
+        conn = self._acquire(deadline, [item.index for item in retry])
+        try:
+            frames = self._frames(conn.proto, op, retry, vectors=False)
+        except BaseException:
+            self._release(conn, reusable=False)
+            raise
+        again = self._exchange(conn, frames, deadline, what, retry)
+        return kept + [(positions[pos], error) for pos, error in again]
 
     def _single(self, op: TransferOp, item: Item, deadline: float) -> None:
         """One op in one frame (`_Connection.single`): the path of small latency-bound
@@ -769,11 +858,12 @@ class SocketTransport(Transport):
     # ------------------------------------------------------------ internals
 
     def _frames(self, proto: wire.ClientProtocol, op: TransferOp, items: Sequence[Item],
-                lo: int = 0, hi: int | None = None) -> _Frames:
+                lo: int = 0, hi: int | None = None, *, vectors: bool = True) -> _Frames:
         """The request frames for bytes [lo, hi) of the batch (all of it by default).
 
         The batch's bytes are its items' in order; an item only partly inside the range
-        contributes that part. Frames carry at most `frame_limit` bytes.
+        contributes that part. Frames carry at most `frame_limit` bytes. `vectors`: frames
+        of one segment go as vector requests where the agent serves them.
         """
         limit = self._frame_limit
         writing = op == TransferOp.WRITE
@@ -790,10 +880,17 @@ class SocketTransport(Transport):
             return _Frames([], [])
         views: list[Any] = _views(addrs, lengths, writable=not writing)
         positions, lasts, requests, views = _merge(positions, requests, views, limit)
-        headers = proto.requests(wire.Op.WRITE if writing else wire.Op.READ, requests)
+        opcode = wire.Op.WRITE if writing else wire.Op.READ
+        vector_frames: list[int] | None = None
+        if vectors and proto.vectors and len(requests) > 1:
+            positions, lasts, headers, views, vector_frames = _vectors(
+                proto, opcode, positions, lasts, requests, views, limit)
+        else:
+            headers = proto.requests(opcode, requests)
         if writing:
-            return _Frames(positions, headers, payloads=views, lasts=lasts)
-        return _Frames(positions, headers, targets=views, lasts=lasts)
+            return _Frames(positions, headers, payloads=views, lasts=lasts,
+                           vectors=vector_frames)
+        return _Frames(positions, headers, targets=views, lasts=lasts, vectors=vector_frames)
 
     @staticmethod
     def _cut(items: Sequence[Item], lo: int, hi: int | None, limit: int

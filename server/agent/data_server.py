@@ -53,7 +53,7 @@ from hixl.server.connections import (
     Stalled,
     ThreadPerConnection,
 )
-from hixl.sockets import Buffer, BufferQueue, tune_socket
+from hixl.sockets import IOV_MAX, Buffer, BufferQueue, tune_socket
 from hixl.transports import tcp
 
 log = logging.getLogger("hixl.data")
@@ -294,6 +294,7 @@ class _Connection:
         self.run_first = 0
         self.run_next = -1  # the request id that would continue the run
         self.run_count = 0
+        self.run_ops = 0  # ops the run's requests carry (a vector request: one per range)
         self.run_bytes = 0
         self.run_windows: list[memoryview] = []  # READ data, sent after the run's header
         # counted here and published at each flush: no shared lock per frame
@@ -312,7 +313,6 @@ class _Connection:
     def _loop(self) -> None:
         proto = self.proto
         replies = self.replies
-        windows = self.run_windows
         on_header_at, ring, view = proto.on_header_at, self.ring, self.view
         fast = self.server.fast
         while True:
@@ -359,23 +359,24 @@ class _Connection:
                 else:
                     window = action.payload
                     size = len(window)
-                if (self.drained and self.start == self.end and not self.run_count
-                        and not replies):
-                    self._answer_one(opcode, rid, size, window)  # alone: nothing to join
-                    continue
-                if rid != self.run_next or opcode != self.run_op:
-                    if self.run_count:
-                        self._close_run()
-                    self.run_op, self.run_first = opcode, rid
-                self.run_next = rid + 1
-                if window is not None:
-                    windows.append(window)
-                self.run_count += 1
-                self.run_bytes += size
-                if (not proto.runs or self.run_count >= _RUN_OPS
-                        or self.run_bytes >= _FLUSH_BYTES):
-                    self._close_run()
+                self._accepted(opcode, rid, size, window)
                 continue
+            if kind is wire.ReadTable:  # a vector request: its range table, then its data
+                table = bytearray(action.count)
+                self._receive(memoryview(table))
+                action = proto.on_table(action, table)
+                kind = type(action)
+                if kind is wire.ReceiveVector:
+                    self._receive_scatter(action.targets)
+                    rid, size, ops = action.request_id, action.size, len(action.targets)
+                    action = None  # the data is in; the views go before the reply does
+                    self._accepted(_WRITE, rid, size, None, ops)
+                    continue
+                if kind is wire.SendVector:
+                    self._accepted(_READ, action.request_id, action.size, action.views,
+                                   len(action.views))
+                    action = None
+                    continue
             if self.run_count:
                 self._close_run()
             if kind is wire.Send:  # PING, or a refused READ
@@ -404,6 +405,30 @@ class _Connection:
                 return
             if len(replies) >= _FLUSH_BUFFERS or self.reply_bytes >= _FLUSH_BYTES:
                 self._flush()
+
+    def _accepted(self, opcode: int, rid: int, size: int,
+                  window: memoryview | list[memoryview] | None, ops: int = 1) -> None:
+        """An accepted WRITE (its data in) or READ (`window`: the data to send, or a
+        vector's views) of `ops` ops: answered at once when it came alone, else it joins
+        the open run of its kind, or starts one."""
+        replies = self.replies
+        if self.drained and self.start == self.end and not self.run_count and not replies:
+            self._answer_one(opcode, rid, size, window, ops)  # alone: nothing to join
+            return
+        if rid != self.run_next or opcode != self.run_op:
+            if self.run_count:
+                self._close_run()
+            self.run_op, self.run_first = opcode, rid
+        self.run_next = rid + 1
+        if type(window) is list:
+            self.run_windows += window
+        elif window is not None:
+            self.run_windows.append(window)
+        self.run_count += 1
+        self.run_ops += ops
+        self.run_bytes += size
+        if not self.proto.runs or self.run_count >= _RUN_OPS or self.run_bytes >= _FLUSH_BYTES:
+            self._close_run()
 
     def _serve_fast(self, fast: object) -> bool:
         """Wait for the next frame in C (hixl._fastwire.serve), which answers lone accepted
@@ -442,25 +467,26 @@ class _Connection:
         counts); `seconds`: from its frame's arrival to now, its latency observation."""
         self._count(opcode, size).latency.observe(seconds)
 
-    def _count(self, opcode: int, size: int) -> Traffic:
-        """Count one answered op (published before its reply leaves); returns its
-        direction's traffic."""
+    def _count(self, opcode: int, size: int, ops: int = 1) -> Traffic:
+        """Count one answered request of `ops` ops (published before its reply leaves);
+        returns its direction's traffic."""
         read, write = self.traffic
         with self.server._lock:
             counters = self.server.counters
             if opcode == _WRITE:
-                counters["ops_write"] += 1
+                counters["ops_write"] += ops
                 counters["bytes_written"] += size
-                write.ops += 1
+                write.ops += ops
                 write.bytes += size
                 return write
-            counters["ops_read"] += 1
+            counters["ops_read"] += ops
             counters["bytes_read"] += size
-            read.ops += 1
+            read.ops += ops
             read.bytes += size
             return read
 
-    def _answer_one(self, opcode: int, rid: int, size: int, window: memoryview | None) -> None:
+    def _answer_one(self, opcode: int, rid: int, size: int,
+                    window: memoryview | list[memoryview] | None, ops: int = 1) -> None:
         """Answer a lone accepted request at once: the socket held nothing after it and
         nothing is gathered, so there is no run to build. Counts it (published before the
         reply, as `_flush` does), then sends the OK header and a READ's data in one call.
@@ -468,15 +494,16 @@ class _Connection:
         Why a path of its own: one latency-bound op otherwise went through the run and
         flush bookkeeping, a good part of the agent's work for it.
         """
-        traffic = self._count(opcode, size)
+        traffic = self._count(opcode, size, ops)
         if window is None:
             buffers: list[Buffer] = [wire.ok_reply(rid)]
             total = wire.HEADER_SIZE
         else:
-            buffers = [wire.ok_reply(rid, size), window]
+            buffers = [wire.ok_reply(rid, size), *window] if type(window) is list \
+                else [wire.ok_reply(rid, size), window]
             total = wire.HEADER_SIZE + size
         try:
-            sent = self.sock.sendmsg(buffers)
+            sent = self.sock.sendmsg(buffers[:IOV_MAX])
         except BlockingIOError:  # SO_SNDTIMEO passed with nothing sent
             raise Stalled("peer stopped reading replies") from None
         if sent != total:
@@ -494,12 +521,12 @@ class _Connection:
             self.replies += self.run_windows
             self.run_windows.clear()
             self.reply_bytes += size
-            self.ops_read += count
+            self.ops_read += self.run_ops
             self.bytes_read += size
         else:
-            self.ops_write += count
+            self.ops_write += self.run_ops
             self.bytes_written += size
-        self.run_count = self.run_bytes = 0
+        self.run_count = self.run_ops = self.run_bytes = 0
         self.run_next = -1
         if len(self.replies) >= _FLUSH_BUFFERS or self.reply_bytes >= _FLUSH_BYTES:
             self._flush()
@@ -636,6 +663,40 @@ class _Connection:
         else:
             self._recv_with_more(rest, self.view)
             self.exact = False
+
+    def _receive_scatter(self, targets: list[memoryview]) -> None:
+        """Fill `targets` in order with the next payload bytes (a vector WRITE's ranges):
+        those already in the ring copied, the rest straight from the socket into segment
+        memory, as many ranges per system call as it takes (recvmsg_into)."""
+        have = self.end - self.start
+        if have:
+            view, at = self.view, self.start
+            for index, target in enumerate(targets):
+                take = min(len(target), have)
+                target[:take] = view[at:at + take]
+                at += take
+                have -= take
+                if take < len(target):
+                    targets = [target[take:], *targets[index + 1:]]
+                    break
+            else:
+                targets = []
+            self.start = at
+        if not targets:
+            return
+        self.start = self.end = 0
+        self.drained = False  # more may be queued behind it
+        self.exact = True
+        queue = BufferQueue(targets)  # type: ignore[arg-type]
+        while queue.left:
+            try:
+                got = self.sock.recvmsg_into(queue.chunk())[0]
+            except BlockingIOError:
+                raise Stalled(f"vector payload stalled with {queue.left} bytes to come"
+                              ) from None
+            if not got:
+                raise PeerGone()
+            queue.advance(got)
 
     def _recv_exact(self, target: memoryview) -> None:
         """Fill `target` from the socket: no intermediate buffer, one call per payload."""
