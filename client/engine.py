@@ -59,7 +59,7 @@ from hixl.options import OPTION_ENABLE_USE_FABRIC_MEM, EngineOptions
 from hixl.staging import DeviceCopier, DevicePaths, StagingConfig
 from hixl.table import MAX_ADDRESS, AddressTable, check_range
 from hixl.tls import ClientTLS, TlsSetting, client_tls
-from hixl.transports.base import Item, Runs, Transport
+from hixl.transports.base import Item, ItemArrays, Runs, Transport
 from hixl.transports.fabric import FabricTransport, MappedRange
 from hixl.transports.tcp import SocketTransport
 from hixl.types import (
@@ -1362,7 +1362,8 @@ class Engine:
         return fabric_items, socket_items, nbytes
 
     def _resolve_arrays(self, peer: _Peer, op: TransferOp, ops: OpArrays,
-                        local_registered: bool = True) -> tuple[Runs | None, list[Item], int]:
+                        local_registered: bool = True
+                        ) -> tuple[Runs | None, Sequence[Item], int]:
         """`_resolve` for arrays (from op_arrays): every op checked against both tables
         before any byte moves, all at once. Returns (the mapped path's runs or None, the
         socket path's items, bytes in all).
@@ -1394,7 +1395,7 @@ class Engine:
 
     def _resolve_each(self, peer: _Peer, writing: bool, need: int, local: np.ndarray,
                       remote: np.ndarray, sizes: np.ndarray, local_registered: bool
-                      ) -> tuple[Runs | None, list[Item], int]:
+                      ) -> tuple[Runs | None, Sequence[Item], int]:
         """`_resolve_arrays` op by op (still vectorised): several regions or segments, a
         socket path, or an op to refuse."""
         bad = np.zeros(local.size, bool)
@@ -1440,10 +1441,9 @@ class Engine:
         runs = _runs(segments, where[fabric_ops], local[fabric_ops], remote[fabric_ops],
                      sizes[fabric_ops], fabric_ops) if fabric_ops.size else None
         socket_ops = np.flatnonzero(~on_fabric)
-        socket_items = [Item(index, addr, segments[slot], at, length) for index, addr, slot, at, length
-                        in zip(socket_ops.tolist(), local[socket_ops].tolist(),
-                               where[socket_ops].tolist(), remote[socket_ops].tolist(),
-                               sizes[socket_ops].tolist(), strict=True)]
+        # kept as arrays: the socket path frames them without an object per op
+        socket_items = ItemArrays(segments, where[socket_ops], local[socket_ops],
+                                  remote[socket_ops], sizes[socket_ops], socket_ops)
         return runs, socket_items, nbytes
 
     def _check_one(self, peer: _Peer, index: int, local_addr: int, remote_addr: int,

@@ -814,16 +814,24 @@ class ClientProtocol:
         """A vector WRITE or READ of `ranges` (addr, length) of one segment: its header and
         range table (a WRITE's data, the ranges' bytes in order, follows them). Only for
         an agent that offered vectors (`vectors`)."""
-        if opcode not in (_WRITE, _READ) or not 1 <= len(ranges) <= MAX_VECTOR_RANGES:
-            raise ValueError(f"vector() encodes WRITE or READ of 1 to {MAX_VECTOR_RANGES} "
-                             f"ranges, not opcode {opcode} with {len(ranges)}")
-        total = sum(length for _, length in ranges)
-        if not 0 < total <= MAX_PAYLOAD:
-            raise ValueError(f"vector of {total} bytes: 1 to {MAX_PAYLOAD}")
+        if not ranges:
+            raise ValueError(f"a vector names 1 to {MAX_VECTOR_RANGES} ranges, not none")
+        return self.vector_table(opcode, segment_id, epoch, np.array(ranges, ">u8"))
+
+    def vector_table(self, opcode: int, segment_id: int, epoch: int, table: np.ndarray
+                     ) -> bytes:
+        """`vector` for ranges given as an (n, 2) array of (addr, length) (an array
+        batch's: no Python object per range)."""
+        count = len(table)
+        total = int(table[:, 1].sum()) if count else 0
+        if opcode not in (_WRITE, _READ) or not 1 <= count <= MAX_VECTOR_RANGES \
+                or not 0 < total <= MAX_PAYLOAD:
+            raise ValueError(f"a vector is a WRITE or READ of 1 to {MAX_VECTOR_RANGES} "
+                             f"ranges and 1 to {MAX_PAYLOAD} bytes, not opcode {opcode} with "
+                             f"{count} ranges of {total} bytes")
         rid = self._take_id(opcode, total if opcode == _READ else 0)
-        table = np.array(ranges, ">u8").tobytes()
         return _pack(MAGIC, VERSION, opcode, FLAG_VECTOR, 0, 0, epoch, rid, segment_id,
-                     len(ranges), total) + table
+                     count, total) + table.astype(">u8", copy=False).tobytes()
 
     def request(self, opcode: int, segment_id: int, epoch: int, addr: int, length: int
                 ) -> tuple[bytes, bytes]:

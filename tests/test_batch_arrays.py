@@ -241,3 +241,31 @@ def test_table_arrays_follow_every_change() -> None:
     assert (table.arrays()[0].tolist(), table.arrays()[2]) == ([0x2000], ["b"])
     table.clear()
     assert table.arrays()[0].tolist() == []
+
+
+@pytest.mark.parametrize("client", ["0"], ids=["socket"], indirect=True)
+def test_a_socket_array_batch_over_two_segments_and_many_vectors(client) -> None:
+    """1100 scattered pages read from two segments, switching every 50 ops: framed from
+    the arrays as vector requests (a new one at each switch and every 512 ranges), every
+    page back in its place."""
+    engine, agent = client
+    kv, ro = segment(engine, agent, "kv"), segment(engine, agent, "ro")
+    fill = pattern(3, POOL_RW)
+    engine.register(fill)
+    engine.write(agent, fill, kv.base, timeout=10)
+    ops = 1100
+    rng = np.random.default_rng(11)
+    size = 512  # small ranges: 1100 of them fit both pools
+    on_ro = (np.arange(ops) // 50) % 2 == 1
+    slots = rng.permutation(POOL_RO // size)[:ops]
+    remote = np.where(on_ro, ro.base, kv.base) + slots * size
+    back = np.zeros(ops * size, np.uint8)
+    engine.register(back)
+    engine.transfer_arrays(agent, TransferOp.READ, back.ctypes.data + np.arange(ops) * size,
+                           remote, size, timeout=10)
+    pools = {False: np.frombuffer(snapshot(engine, agent, kv), np.uint8),
+             True: np.frombuffer(snapshot(engine, agent, ro), np.uint8)}
+    for op in range(ops):
+        start = int(slots[op]) * size
+        expected = pools[bool(on_ro[op])][start:start + size]
+        assert np.array_equal(back[op * size:(op + 1) * size], expected), op

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import random_items
 
@@ -24,7 +25,7 @@ from hixl import errors, wire
 from hixl.memory import ShmSegment
 from hixl.server.agent.data_server import DataServer
 from hixl.transports import tcp
-from hixl.transports.base import Item
+from hixl.transports.base import Item, ItemArrays
 from hixl.transports.tcp import SocketTransport
 from hixl.types import MemType, Perm, SegmentInfo, TransferOp
 
@@ -1256,3 +1257,42 @@ def test_frames_of_one_segment_become_vector_requests_in_batch_order() -> None:
     assert vectors == [0, 1]
     assert [wire.decode_header(h[:wire.HEADER_SIZE]).addr for h in headers] == [
         wire.MAX_VECTOR_RANGES, 3]
+
+
+def test_array_batches_frame_by_segment_ranges_and_limit() -> None:
+    """`tcp._array_frames` (unit): vectors cut where the segment changes, at
+    MAX_VECTOR_RANGES and at the frame limit; one local view per run of locally adjacent
+    ops; the frames cover every op once, in order."""
+    one = SegmentInfo(1, "agent", "node", 0x10_0000, 1 << 30, MemType.MEM_HOST, Perm.RW,
+                      EPOCH, False)
+    two = SegmentInfo(2, "agent", "node", 0x8000_0000, 1 << 30, MemType.MEM_HOST, Perm.RW,
+                      EPOCH, False)
+    local = bytearray(1 << 20)
+    base = memoryview(local)
+    addr = np.frombuffer(base, np.uint8).ctypes.data
+    count = wire.MAX_VECTOR_RANGES + 40
+    seg = np.zeros(count, np.int64)
+    seg[10:20] = 1                                   # a switch and back
+    lengths = np.full(count, 100, np.int64)
+    lengths[30] = 900                                # with its neighbours, over a 1000-byte limit
+    local_at = addr + np.concatenate(([0], np.cumsum(lengths[:-1])))
+    local_at[25:] += 7                               # a gap in the local side at op 25
+    remote = np.where(seg == 0, one.base, two.base) + np.arange(count) * 4096
+    ops = ItemArrays([one, two], seg, local_at.astype(np.int64), remote.astype(np.int64),
+                     lengths, np.arange(count))
+    frames = tcp._array_frames(wire.ClientProtocol(), TransferOp.WRITE, ops, 1 << 20)
+    covered = [list(frames.covered(n)) for n in range(len(frames.headers))]
+    assert [pos for cover in covered for pos in cover] == list(range(count))
+    assert [(c[0], c[-1]) for c in covered] == [
+        (0, 9), (10, 19), (20, 20 + wire.MAX_VECTOR_RANGES - 1),
+        (20 + wire.MAX_VECTOR_RANGES, count - 1)]
+    assert frames.vectors == [0, 1, 2, 3]
+    headers = [wire.decode_header(h[:wire.HEADER_SIZE]) for h in frames.headers]
+    assert [h.segment_id for h in headers] == [1, 2, 1, 1]
+    assert [h.addr for h in headers] == [len(c) for c in covered]
+    assert frames.payloads is not None
+    assert [len(p) for p in frames.payloads] == [1, 1, 2, 1]   # op 25 starts a new view
+    assert sum(len(v) for p in frames.payloads for v in p) == int(lengths.sum())
+    small = tcp._array_frames(wire.ClientProtocol(), TransferOp.READ, ops, 1000)
+    sizes = [sum(len(v) for v in t) for t in small.targets]  # type: ignore[union-attr]
+    assert max(sizes) <= 1000 and sum(sizes) == int(lengths.sum())

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,36 @@ class Item:
     segment: SegmentInfo
     remote_addr: int
     length: int
+
+
+class ItemArrays(Sequence[Item]):
+    """The ops of an array batch for the socket path, kept as arrays: op `i` is
+    Item(index[i], local[i], segments[seg[i]], remote[i], lengths[i]). A transport that
+    can frame arrays reads the arrays (no Python object per op); anything else indexes
+    it like a list of Items, made when asked for (an error path, a fallback)."""
+
+    __slots__ = ("segments", "seg", "local", "remote", "lengths", "index")
+
+    def __init__(self, segments: list[SegmentInfo], seg: np.ndarray, local: np.ndarray,
+                 remote: np.ndarray, lengths: np.ndarray, index: np.ndarray) -> None:
+        self.segments, self.seg, self.index = segments, seg, index
+        self.local, self.remote, self.lengths = local, remote, lengths
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    def __iter__(self) -> Iterator[Item]:
+        segments = self.segments
+        for index, local, slot, remote, length in zip(
+                self.index.tolist(), self.local.tolist(), self.seg.tolist(),
+                self.remote.tolist(), self.lengths.tolist(), strict=True):
+            yield Item(index, local, segments[slot], remote, length)
+
+    def __getitem__(self, at: Any) -> Any:
+        if isinstance(at, slice):
+            return [self[i] for i in range(*at.indices(len(self)))]
+        return Item(int(self.index[at]), int(self.local[at]), self.segments[int(self.seg[at])],
+                    int(self.remote[at]), int(self.lengths[at]))
 
 
 @dataclass(slots=True, eq=False)
