@@ -304,24 +304,18 @@ class ServerDriver:
             if self.pending[2]:
                 return False
             self.replies.append(action.reply)
-        elif kind == "table":
+        else:  # "table" or "hello": `action.count` bytes gathered, then handed on
             got = self.pending[2]
             take = bytes(self.buf[:action.count - len(got)])
             del self.buf[:len(take)]
             got += take
             if len(got) < action.count:
                 return False
-            fields = self.pending[3]
-            self.pending = []
-            self._vector(fields, action, bytes(got))
-            return True
-        else:
-            got = self.pending[2]
-            take = bytes(self.buf[:action.count - len(got)])
-            del self.buf[:len(take)]
-            got += take
-            if len(got) < action.count:
-                return False
+            if kind == "table":
+                fields = self.pending[3]
+                self.pending = []
+                self._vector(fields, action, bytes(got))
+                return True
             answer = self.proto.on_hello(action.request_id, bytes(got))
             if type(answer) is Close:
                 self.closed = True

@@ -667,7 +667,8 @@ class _Connection:
     def _receive_scatter(self, targets: list[memoryview]) -> None:
         """Fill `targets` in order with the next payload bytes (a vector WRITE's ranges):
         those already in the ring copied, the rest straight from the socket into segment
-        memory, as many ranges per system call as it takes (recvmsg_into)."""
+        memory, as many ranges per system call as it takes (recvmsg_into, waiting for all
+        of them: one wake-up per call, as `_recv_exact`)."""
         have = self.end - self.start
         if have:
             view, at = self.view, self.start
@@ -690,7 +691,7 @@ class _Connection:
         queue = BufferQueue(targets)  # type: ignore[arg-type]
         while queue.left:
             try:
-                got = self.sock.recvmsg_into(queue.chunk())[0]
+                got = self.sock.recvmsg_into(queue.chunk(), 0, socket.MSG_WAITALL)[0]
             except BlockingIOError:
                 raise Stalled(f"vector payload stalled with {queue.left} bytes to come"
                               ) from None
