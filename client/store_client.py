@@ -588,12 +588,33 @@ class LocationCache:
         self.hits += 1
         return kept[1]
 
+    def sources(self, keys: Sequence[str]) -> list[Any] | None:
+        """`source` of every key (one clock read), or None unless each has one."""
+        found, entries, now = [], self._entries, self._clock()
+        for key in keys:
+            kept = self._sources.get(key)
+            entry = entries.get(key)
+            if kept is None or entry is None or entry[0] is not kept[0] or now >= entry[1]:
+                return None
+            found.append(kept[1])
+        self.hits += len(found)
+        return found
+
     def still_kept(self, key: str, source: Any) -> bool:
         """`source` is still kept for `key`: its entry was neither dropped nor replaced since
         `source(key)` returned it. A removal drops the key before it asks the master, so a
         copy made before this answers True read bytes the master had not freed yet."""
         kept = self._sources.get(key)
         return kept is not None and kept[1] is source
+
+    def all_still_kept(self, keys: Sequence[str], sources: Sequence[Any]) -> bool:
+        """`still_kept` of every (key, source)."""
+        held = self._sources
+        for key, source in zip(keys, sources, strict=True):
+            kept = held.get(key)
+            if kept is None or kept[1] is not source:
+                return False
+        return True
 
     def keep_source(self, key: str, result: GetReplicasResult, source: Any) -> None:
         """Keep `source` for `key` if `result` is still its entry."""

@@ -193,6 +193,40 @@ def test_a_repeated_get_into_copies_from_the_kept_mapping_until_the_key_changes(
     assert reader("k") == newer
 
 
+def test_a_repeated_batch_get_into_copies_every_key_from_its_kept_mapping(
+        clients: tuple[MooncakeDistributedStore, ...]) -> None:
+    """A batch_get_into whose keys all have kept mappings copies them without a transfer;
+    once one of them is removed, the batch takes the general path and reports that key."""
+    writer, store = clients
+    values = {f"b{i}": pattern(20 + i, 30_000 + i) for i in range(5)}
+    for key, value in values.items():
+        assert writer.put(key, value) == 0
+    sink = np.zeros(5 * 32_768, np.uint8)
+    assert store.register_buffer(sink.ctypes.data, sink.nbytes) == 0
+    keys = list(values)
+    ptrs = [sink.ctypes.data + i * 32_768 for i in range(5)]
+
+    def read() -> list[int]:
+        sink[:] = 0
+        return store.batch_get_into(keys, ptrs, [32_768] * 5)
+
+    def landed(index: int) -> bytes:
+        return bytes(sink[index * 32_768:index * 32_768 + len(values[keys[index]])])
+
+    assert read() == [len(v) for v in values.values()]     # asks the master
+    assert read() == [len(v) for v in values.values()]     # one transfer; keeps them
+    transfers, hits = fabric_reads(store), store._locations.hits
+    for _ in range(3):
+        assert read() == [len(v) for v in values.values()]
+        assert all(landed(i) == values[key] for i, key in enumerate(keys))
+    assert (fabric_reads(store), store._locations.hits) == (transfers, hits + 15)
+    assert store.remove("b2", force=True) == 0
+    codes = read()
+    assert codes[2] == ErrorCode.OBJECT_NOT_FOUND
+    assert [c for i, c in enumerate(codes) if i != 2] == [
+        len(values[k]) for i, k in enumerate(keys) if i != 2]
+
+
 def test_reads_from_kept_mappings_racing_close_end_in_a_code_not_a_crash(
         clients: tuple[MooncakeDistributedStore, ...]) -> None:
     """Threads repeating cached get_into while the store closes: each call returns the

@@ -86,6 +86,7 @@ from hixl.store_types import (
     StoreSegment,
 )
 from hixl.table import AddressTable, check_range
+from hixl.transports.fabric import read_all
 from hixl.types import Perm, TransferOp, TransferOpDesc
 
 log = logging.getLogger("hixl.mooncake.store")
@@ -1721,7 +1722,8 @@ class MooncakeDistributedStore:
         """get_into per key, one GetReplicas for all: bytes or a negative code per key."""
         if type(keys) is list and type(buffer_ptrs) is list and type(sizes) is list \
                 and len(keys) == len(buffer_ptrs) == len(sizes):
-            done = self._read_cached(keys, buffer_ptrs, sizes)
+            done = self._read_kept_all(keys, buffer_ptrs, sizes) or \
+                self._read_cached(keys, buffer_ptrs, sizes)
             if done is not None:
                 return done
         return self._dests_call("batch_get_into", keys, *self._one_part(keys, buffer_ptrs, sizes))
@@ -1748,6 +1750,26 @@ class MooncakeDistributedStore:
             return source.length
         return 0
 
+    def _read_kept_all(self, keys: list[Any], ptrs: list[Any], sizes: list[Any]
+                       ) -> list[int] | None:
+        """batch_get_into as `_read_kept`, when every key has a kept mapping: the copies
+        in one C loop, each segment's and owner's checks once (fabric.read_all), the same
+        validation after. None when any key does not qualify (the caller then reads them
+        all anew: a buffer this wrote to is written again)."""
+        if not keys or not all(type(key) is str for key in keys):
+            return None
+        locations = self._locations
+        sources = locations.sources(keys)
+        if sources is None:
+            return None
+        for source, ptr, size in zip(sources, ptrs, sizes, strict=True):
+            if type(ptr) is not int or type(size) is not int or not 0 < source.length <= size \
+                    or ptr < 0 or not self._inside_buffer(ptr, source.length):
+                return None
+        if read_all(sources, ptrs) and locations.all_still_kept(keys, sources):
+            return [source.length for source in sources]
+        return None
+
     def _read_cached(self, keys: Sequence[Any], ptrs: Sequence[Any], sizes: Sequence[Any],
                      ) -> list[int] | None:
         """get_into of keys whose locations are all in the cache (a repeated read of
@@ -1767,12 +1789,13 @@ class MooncakeDistributedStore:
                 return None
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
+        fetched: list[tuple[str, GetReplicasResult]] = []  # the keys `remote` reads, in order
         target = ""
         names = list(keys)
         self._reads.enter(names)
         try:
             found = [self._locations.get(key) for key in names]
-            for result, ptr, size in zip(found, ptrs, sizes, strict=True):
+            for key, result, ptr, size in zip(names, found, ptrs, sizes, strict=True):
                 if result is None or not 0 < result.size <= size:
                     return None
                 replicas = result.replicas
@@ -1786,6 +1809,7 @@ class MooncakeDistributedStore:
                     return None
                 target = replica.engine
                 remote.append((ptr, replica.addr, result.size))
+                fetched.append((key, result))
             if target and not engine.is_connected(target):
                 return None
             copy_moves(local)
@@ -1795,10 +1819,11 @@ class MooncakeDistributedStore:
                                     local_registered=False)
                 except HixlError:
                     return None
-                if len(remote) == 1 == len(names):  # the next get_into of it: _read_kept
-                    source = engine.mapped_range(target, remote[0][1], remote[0][2])
-                    if source is not None:
-                        self._locations.keep_source(names[0], found[0], source)
+                for (key, result), (_, addr, length) in zip(fetched, remote, strict=True):
+                    source = engine.mapped_range(target, addr, length)  # next time: _read_kept
+                    if source is None:
+                        break
+                    self._locations.keep_source(key, result, source)
         finally:
             self._reads.leave(names)
         return [result.size for result in found]  # type: ignore[union-attr]

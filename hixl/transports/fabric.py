@@ -99,6 +99,25 @@ class MappedRange:
             and fd_client.alive()  # type: ignore[union-attr]
 
 
+def read_all(ranges: Sequence[MappedRange], dsts: Sequence[int]) -> bool:
+    """`read_into` of many ranges into `dsts` at once: each mapping's currency checked
+    first, the copies one C-level loop (copy_moves), then each distinct segment's liveness
+    word and each distinct owner's socket once. False as `read_into` is."""
+    for source in ranges:
+        if source._transport._mappings.get(source._mapped.segment.segment_id) \
+                is not source._mapped:
+            return False
+    copy_moves([(dst, source.addr, source.length)
+                for source, dst in zip(ranges, dsts, strict=True)])
+    mapped = {id(source._mapped): source for source in ranges}
+    for source in mapped.values():
+        hit = source._mapped
+        if not source._transport._states.holds(hit.slot, hit.segment.segment_id):
+            return False
+    owners = {id(source._transport): source._transport for source in mapped.values()}
+    return all(transport._fd_client.alive() for transport in owners.values())
+
+
 _read_checked = getattr(load_fastwire(), "read_checked", None)
 
 
