@@ -231,29 +231,42 @@ def _vectors(proto: wire.ClientProtocol, opcode: int, positions: list[int],
 
 def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
                   limit: int) -> _Frames:
-    """The frames of an array batch, all vector requests, built from its arrays: each
-    takes the next ops of one segment, up to MAX_VECTOR_RANGES ranges and `limit` bytes,
-    its table made by one numpy cast, its local side one view per run of ops that
-    continue each other locally (a KV layer's pages, side by side in the cache: one).
-    No Python object per op, which is what a batch of 4 KiB pages costs otherwise."""
+    """The frames of an array batch, all vector requests, built from its arrays: ops that
+    continue each other on both sides are one range (as `_merge` does), and each vector
+    takes the next ranges of one segment, up to MAX_VECTOR_RANGES ranges and `limit`
+    bytes, its table made by one numpy cast, its local side one view per run of ranges
+    that continue each other locally (a KV layer's pages, side by side in the cache:
+    one). No Python object per op, which is what a batch of 4 KiB pages costs otherwise.
+    Every op is at most `limit` bytes (the caller checked)."""
     writing = op == TransferOp.WRITE
     opcode = wire.Op.WRITE if writing else wire.Op.READ
-    seg, local, lengths = ops.seg, ops.local, ops.lengths
+    seg, local, remote, lengths = ops.seg, ops.local, ops.remote, ops.lengths
     count = len(lengths)
-    ends = np.cumsum(lengths)
-    changes = (np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist() + [count]
-    table = np.empty((count, 2), ">u8")
-    table[:, 0] = ops.remote
-    table[:, 1] = lengths
-    # where each op's local side does not continue the previous one's
-    breaks = np.ones(count, bool)
-    breaks[1:] = local[1:] != local[:-1] + lengths[:-1]
+    op_ends = np.cumsum(lengths)
+    joined = np.zeros(count, bool)  # op i continues op i - 1 on both sides
+    joined[1:] = (seg[1:] == seg[:-1]) & (remote[1:] == remote[:-1] + lengths[:-1]) \
+        & (local[1:] == local[:-1] + lengths[:-1])
+    firsts_op = np.flatnonzero(~joined)  # each range's first op
+    lasts_op = np.append(firsts_op[1:], count) - 1
+    sizes = op_ends[lasts_op] - op_ends[firsts_op] + lengths[firsts_op]
+    if int(sizes.max()) > limit:  # a run over the frame limit: one range per op instead
+        firsts_op = lasts_op = np.arange(count)
+        sizes = lengths
+    seg, local = seg[firsts_op], local[firsts_op]
+    ranges = len(sizes)
+    ends = np.cumsum(sizes)
+    changes = (np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist() + [ranges]
+    table = np.empty((ranges, 2), ">u8")
+    table[:, 0] = remote[firsts_op]
+    table[:, 1] = sizes
+    breaks = np.ones(ranges, bool)  # where a range's local side does not continue the last
+    breaks[1:] = local[1:] != local[:-1] + sizes[:-1]
     firsts: list[int] = []
     lasts: list[int] = []
     headers: list[bytes] = []
     pieces: list[list[memoryview]] = []
     start, change = 0, 0
-    while start < count:
+    while start < ranges:
         while changes[change] <= start:
             change += 1
         before = int(ends[start - 1]) if start else 0
@@ -268,8 +281,8 @@ def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
             size = int(ends[last - 1]) - (int(ends[first - 1]) if first else 0)
             views.append(local_view(int(local[first]), size, writable=not writing))
         pieces.append(views)
-        firsts.append(start)
-        lasts.append(stop - 1)
+        firsts.append(int(firsts_op[start]))
+        lasts.append(int(lasts_op[stop - 1]))
         start = stop
     frames = list(range(len(headers)))
     if writing:

@@ -294,7 +294,6 @@ class _Connection:
         self.run_first = 0
         self.run_next = -1  # the request id that would continue the run
         self.run_count = 0
-        self.run_ops = 0  # ops the run's requests carry (a vector request: one per range)
         self.run_bytes = 0
         self.run_windows: list[memoryview] = []  # READ data, sent after the run's header
         # counted here and published at each flush: no shared lock per frame
@@ -368,13 +367,12 @@ class _Connection:
                 kind = type(action)
                 if kind is wire.ReceiveVector:
                     self._receive_scatter(action.targets)
-                    rid, size, ops = action.request_id, action.size, len(action.targets)
+                    rid, size = action.request_id, action.size
                     action = None  # the data is in; the views go before the reply does
-                    self._accepted(_WRITE, rid, size, None, ops)
+                    self._accepted(_WRITE, rid, size, None)
                     continue
                 if kind is wire.SendVector:
-                    self._accepted(_READ, action.request_id, action.size, action.views,
-                                   len(action.views))
+                    self._accepted(_READ, action.request_id, action.size, action.views)
                     action = None
                     continue
             if self.run_count:
@@ -407,13 +405,13 @@ class _Connection:
                 self._flush()
 
     def _accepted(self, opcode: int, rid: int, size: int,
-                  window: memoryview | list[memoryview] | None, ops: int = 1) -> None:
+                  window: memoryview | list[memoryview] | None) -> None:
         """An accepted WRITE (its data in) or READ (`window`: the data to send, or a
-        vector's views) of `ops` ops: answered at once when it came alone, else it joins
-        the open run of its kind, or starts one."""
+        vector's views): answered at once when it came alone, else it joins the open run
+        of its kind, or starts one. Counted as one request, as a merged frame is."""
         replies = self.replies
         if self.drained and self.start == self.end and not self.run_count and not replies:
-            self._answer_one(opcode, rid, size, window, ops)  # alone: nothing to join
+            self._answer_one(opcode, rid, size, window)  # alone: nothing to join
             return
         if rid != self.run_next or opcode != self.run_op:
             if self.run_count:
@@ -425,7 +423,6 @@ class _Connection:
         elif window is not None:
             self.run_windows.append(window)
         self.run_count += 1
-        self.run_ops += ops
         self.run_bytes += size
         if not self.proto.runs or self.run_count >= _RUN_OPS or self.run_bytes >= _FLUSH_BYTES:
             self._close_run()
@@ -467,26 +464,26 @@ class _Connection:
         counts); `seconds`: from its frame's arrival to now, its latency observation."""
         self._count(opcode, size).latency.observe(seconds)
 
-    def _count(self, opcode: int, size: int, ops: int = 1) -> Traffic:
-        """Count one answered request of `ops` ops (published before its reply leaves);
-        returns its direction's traffic."""
+    def _count(self, opcode: int, size: int) -> Traffic:
+        """Count one answered request (published before its reply leaves); returns its
+        direction's traffic."""
         read, write = self.traffic
         with self.server._lock:
             counters = self.server.counters
             if opcode == _WRITE:
-                counters["ops_write"] += ops
+                counters["ops_write"] += 1
                 counters["bytes_written"] += size
-                write.ops += ops
+                write.ops += 1
                 write.bytes += size
                 return write
-            counters["ops_read"] += ops
+            counters["ops_read"] += 1
             counters["bytes_read"] += size
-            read.ops += ops
+            read.ops += 1
             read.bytes += size
             return read
 
     def _answer_one(self, opcode: int, rid: int, size: int,
-                    window: memoryview | list[memoryview] | None, ops: int = 1) -> None:
+                    window: memoryview | list[memoryview] | None) -> None:
         """Answer a lone accepted request at once: the socket held nothing after it and
         nothing is gathered, so there is no run to build. Counts it (published before the
         reply, as `_flush` does), then sends the OK header and a READ's data in one call.
@@ -494,7 +491,7 @@ class _Connection:
         Why a path of its own: one latency-bound op otherwise went through the run and
         flush bookkeeping, a good part of the agent's work for it.
         """
-        traffic = self._count(opcode, size, ops)
+        traffic = self._count(opcode, size)
         if window is None:
             buffers: list[Buffer] = [wire.ok_reply(rid)]
             total = wire.HEADER_SIZE
@@ -521,12 +518,12 @@ class _Connection:
             self.replies += self.run_windows
             self.run_windows.clear()
             self.reply_bytes += size
-            self.ops_read += self.run_ops
+            self.ops_read += count
             self.bytes_read += size
         else:
-            self.ops_write += self.run_ops
+            self.ops_write += count
             self.bytes_written += size
-        self.run_count = self.run_ops = self.run_bytes = 0
+        self.run_count = self.run_bytes = 0
         self.run_next = -1
         if len(self.replies) >= _FLUSH_BUFFERS or self.reply_bytes >= _FLUSH_BYTES:
             self._flush()
