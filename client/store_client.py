@@ -579,26 +579,31 @@ class LocationCache:
         """The source kept for `key`'s entry while that entry is fresh; else None. No lock:
         entries and sources are replaced whole, and a source counts only beside the very
         result it was kept for."""
+        source = self._fresh_source(key, self._clock())
+        if source is not None:
+            self.hits += 1
+        return source
+
+    def sources(self, keys: Sequence[str]) -> list[Any] | None:
+        """`source` of every key (one clock read), or None unless each has one."""
+        now = self._clock()
+        found = []
+        for key in keys:
+            source = self._fresh_source(key, now)
+            if source is None:
+                return None
+            found.append(source)
+        self.hits += len(found)
+        return found
+
+    def _fresh_source(self, key: str, now: float) -> Any | None:
         kept = self._sources.get(key)
         if kept is None:
             return None
         entry = self._entries.get(key)
-        if entry is None or entry[0] is not kept[0] or self._clock() >= entry[1]:
+        if entry is None or entry[0] is not kept[0] or now >= entry[1]:
             return None
-        self.hits += 1
         return kept[1]
-
-    def sources(self, keys: Sequence[str]) -> list[Any] | None:
-        """`source` of every key (one clock read), or None unless each has one."""
-        found, entries, now = [], self._entries, self._clock()
-        for key in keys:
-            kept = self._sources.get(key)
-            entry = entries.get(key)
-            if kept is None or entry is None or entry[0] is not kept[0] or now >= entry[1]:
-                return None
-            found.append(kept[1])
-        self.hits += len(found)
-        return found
 
     def still_kept(self, key: str, source: Any) -> bool:
         """`source` is still kept for `key`: its entry was neither dropped nor replaced since
@@ -609,12 +614,7 @@ class LocationCache:
 
     def all_still_kept(self, keys: Sequence[str], sources: Sequence[Any]) -> bool:
         """`still_kept` of every (key, source)."""
-        held = self._sources
-        for key, source in zip(keys, sources, strict=True):
-            kept = held.get(key)
-            if kept is None or kept[1] is not source:
-                return False
-        return True
+        return len(keys) == len(sources) and all(map(self.still_kept, keys, sources))
 
     def keep_source(self, key: str, result: GetReplicasResult, source: Any) -> None:
         """Keep `source` for `key` if `result` is still its entry."""

@@ -161,7 +161,7 @@ PARALLEL_COPY_MIN = 2 << 20
 #: below 8 MiB the hand-off costs more than a second thread gains (2 MiB: 82 µs on one
 #: thread, 165 with the pool; 4 MiB from a cold source a tie; 8784 KiB from a cold source
 #: 656 -> 476-555 µs with the pool)
-PARALLEL_STREAM_MIN = 8 << 20 if getattr(_FASTWIRE, "copy_stream", None) else PARALLEL_COPY_MIN
+PARALLEL_STREAM_MIN = 8 << 20 if _STREAM_COPY is not ctypes.memmove else PARALLEL_COPY_MIN
 _COPY_PIECE_MIN = 1 << 20
 COPY_THREADS = max(1, min(os.cpu_count() or 1, 4))
 _memmove = ctypes.memmove

@@ -809,19 +809,12 @@ class ClientProtocol:
             self._lengths += [0] * len(ops)
         return headers
 
-    def vector(self, opcode: int, segment_id: int, epoch: int,
-               ranges: list[tuple[int, int]]) -> bytes:
-        """A vector WRITE or READ of `ranges` (addr, length) of one segment: its header and
-        range table (a WRITE's data, the ranges' bytes in order, follows them). Only for
-        an agent that offered vectors (`vectors`)."""
-        if not ranges:
-            raise ValueError(f"a vector names 1 to {MAX_VECTOR_RANGES} ranges, not none")
-        return self.vector_table(opcode, segment_id, epoch, np.array(ranges, ">u8"))
-
     def vector_table(self, opcode: int, segment_id: int, epoch: int, table: np.ndarray
                      ) -> bytes:
-        """`vector` for ranges given as an (n, 2) array of (addr, length) (an array
-        batch's: no Python object per range)."""
+        """A vector WRITE or READ of the ranges in `table`, an (n, 2) array of (addr,
+        length) of one segment: its header and range table (a WRITE's data, the ranges'
+        bytes in order, follows them). Only for an agent that offered vectors
+        (`vectors`)."""
         count = len(table)
         total = int(table[:, 1].sum()) if count else 0
         if opcode not in (_WRITE, _READ) or not 1 <= count <= MAX_VECTOR_RANGES \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from hixl import errors, wire
@@ -709,11 +710,18 @@ def test_client_refuses_malformed_challenges(reply: bytes, words: str) -> None:
 
 # ---------------------------------------------------------------- vector requests
 
+def vector(client: wire.ClientProtocol, op: Op, segment_id: int, epoch: int,
+           ranges: list[tuple[int, int]]) -> bytes:
+    """client.vector_table of (addr, length) pairs."""
+    table = np.array(ranges, np.uint64).reshape(-1, 2)
+    return client.vector_table(op, segment_id, epoch, table)
+
+
 def vector_frame(op: Op, ranges: list[tuple[int, int]], *, segment_id: int = 1,
                  epoch: int = EPOCH) -> tuple[wire.ClientProtocol, bytes, bytes]:
     """A client's vector request: (its protocol, the header, the range table)."""
     client = wire.ClientProtocol()
-    frame = client.vector(op, segment_id, epoch, ranges)
+    frame = vector(client, op, segment_id, epoch, ranges)
     return client, frame[:HEADER_SIZE], frame[HEADER_SIZE:]
 
 
@@ -818,9 +826,9 @@ def test_a_vector_header_out_of_bounds_closes(count: int, length: int) -> None:
 def test_the_client_encodes_only_what_a_vector_can_carry() -> None:
     client = wire.ClientProtocol()
     with pytest.raises(ValueError, match="WRITE or READ"):
-        client.vector(Op.PING, 1, EPOCH, [(BASE, 1)])
+        vector(client, Op.PING, 1, EPOCH, [(BASE, 1)])
     with pytest.raises(ValueError, match="1 to"):
-        client.vector(Op.WRITE, 1, EPOCH, [])
+        vector(client, Op.WRITE, 1, EPOCH, [])
     with pytest.raises(ValueError, match="1 to"):
-        client.vector(Op.WRITE, 1, EPOCH, [(BASE, 1)] * (wire.MAX_VECTOR_RANGES + 1))
+        vector(client, Op.WRITE, 1, EPOCH, [(BASE, 1)] * (wire.MAX_VECTOR_RANGES + 1))
     assert client.outstanding == 0

@@ -35,7 +35,6 @@ device copy uses it -- always before the mapping it holds can be unmapped.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import threading
@@ -86,27 +85,26 @@ class MappedRange:
         its owner had deregistered it (its memory may then hold anything) or died (its
         values are gone with it, though its pages stay mapped here). The caller then asks
         anew, as after a failed READ transfer. One C call with the compiled module."""
-        transport, mapped = self._transport, self._mapped
-        if transport._mappings.get(mapped.segment.segment_id) is not mapped:
+        if _read_checked is None:
+            return read_all((self,), (dst,))
+        if not self.current():
             return False
-        fd_client = transport._fd_client
-        if _read_checked is not None:
-            fd = fd_client.fileno()
-            return fd >= 0 and _read_checked(dst, self.addr, self.length, self._word,
-                                             mapped.segment.segment_id, fd)
-        ctypes.memmove(dst, self.addr, self.length)
-        return transport._states.holds(mapped.slot, mapped.segment.segment_id) \
-            and fd_client.alive()  # type: ignore[union-attr]
+        fd = self._transport._fd_client.fileno()
+        return fd >= 0 and _read_checked(dst, self.addr, self.length, self._word,
+                                         self._mapped.segment.segment_id, fd)
+
+    def current(self) -> bool:
+        """Its transport still maps the segment this way (not closed, remapped, withdrawn)."""
+        mapped = self._mapped
+        return self._transport._mappings.get(mapped.segment.segment_id) is mapped
 
 
 def read_all(ranges: Sequence[MappedRange], dsts: Sequence[int]) -> bool:
     """`read_into` of many ranges into `dsts` at once: each mapping's currency checked
     first, the copies one C-level loop (copy_moves), then each distinct segment's liveness
     word and each distinct owner's socket once. False as `read_into` is."""
-    for source in ranges:
-        if source._transport._mappings.get(source._mapped.segment.segment_id) \
-                is not source._mapped:
-            return False
+    if not all(map(MappedRange.current, ranges)):
+        return False
     copy_moves([(dst, source.addr, source.length)
                 for source, dst in zip(ranges, dsts, strict=True)])
     mapped = {id(source._mapped): source for source in ranges}

@@ -173,15 +173,38 @@ def _merge(positions: list[int], requests: list[tuple[int, int, int, int]],
     return firsts, lasts, merged, pieces
 
 
+def _vector_spans(breaks: np.ndarray, sizes: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """The ranges [start, stop) of consecutive entries that go as one vector request: a
+    new one where `breaks` is set (another segment or epoch), after MAX_VECTOR_RANGES
+    entries and before `limit` bytes would be passed (an entry over it alone)."""
+    count = len(sizes)
+    ends = np.cumsum(sizes)
+    changes = (np.flatnonzero(breaks[1:]) + 1).tolist() + [count]
+    spans: list[tuple[int, int]] = []
+    start, change = 0, 0
+    while start < count:
+        while changes[change] <= start:
+            change += 1
+        before = int(ends[start - 1]) if start else 0
+        fit = int(np.searchsorted(ends, before + limit, "right"))
+        stop = max(start + 1, min(start + wire.MAX_VECTOR_RANGES, changes[change], fit))
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
 def _vectors(proto: wire.ClientProtocol, opcode: int, positions: list[int],
              lasts: list[int] | None, requests: list[tuple[int, int, int, int]],
              views: list[Any], limit: int
              ) -> tuple[list[int], list[int], list[bytes], list[Any], list[int]]:
     """Frames (after `_merge`) that follow one another in one segment become one vector
-    request each (wire: FLAG_VECTOR), of at most `limit` bytes and MAX_VECTOR_RANGES
-    ranges: the pages of a KV layer, strewn over the pool, cost the agent one frame, one
-    check pass and one scatter read, not one frame each. Returns (first positions, last
-    positions, request frames, local views per frame, the frame numbers of vectors)."""
+    request each (wire: FLAG_VECTOR), cut as `_vector_spans` says: the pages of a KV
+    layer, strewn over the pool, cost the agent one frame, one check pass and one scatter
+    read, not one frame each. Returns (first positions, last positions, request frames,
+    local views per frame, the frame numbers of vectors)."""
+    fields = np.array(requests, np.uint64)  # segment id, epoch, addr, length per frame
+    breaks = np.ones(len(requests), bool)
+    breaks[1:] = (fields[1:, 0] != fields[:-1, 0]) | (fields[1:, 1] != fields[:-1, 1])
     vectors: list[int] = []
     out_first: list[int] = []
     out_last: list[int] = []
@@ -194,37 +217,24 @@ def _vectors(proto: wire.ClientProtocol, opcode: int, positions: list[int],
             headers.extend(proto.requests(opcode, [requests[k] for k in singles]))
             singles.clear()
 
-    count = len(requests)
-    index = 0
-    while index < count:
-        segment, epoch, _, size = requests[index]
-        end = index + 1
-        while end < count and end - index < wire.MAX_VECTOR_RANGES:
-            seg, ep, _, length = requests[end]
-            if seg != segment or ep != epoch or size + length > limit:
-                break
-            size += length
-            end += 1
+    for index, end in _vector_spans(breaks, fields[:, 3], limit):
+        out_first.append(positions[index])
+        out_last.append(lasts[end - 1] if lasts is not None else positions[end - 1])
         if end - index == 1:
             singles.append(index)
-            out_first.append(positions[index])
-            out_last.append(lasts[index] if lasts is not None else positions[index])
             pieces.append(views[index])
-        else:
-            flush()
-            vectors.append(len(out_first))
-            headers.append(proto.vector(opcode, segment, epoch,
-                                        [(r[2], r[3]) for r in requests[index:end]]))
-            out_first.append(positions[index])
-            out_last.append(lasts[end - 1] if lasts is not None else positions[end - 1])
-            local: list[Any] = []
-            for part in views[index:end]:
-                if type(part) is list:
-                    local += part
-                else:
-                    local.append(part)
-            pieces.append(local)
-        index = end
+            continue
+        flush()
+        vectors.append(len(out_first) - 1)
+        segment, epoch = requests[index][:2]
+        headers.append(proto.vector_table(opcode, segment, epoch, fields[index:end, 2:]))
+        local: list[Any] = []
+        for part in views[index:end]:
+            if type(part) is list:
+                local += part
+            else:
+                local.append(part)
+        pieces.append(local)
     flush()
     return out_first, out_last, headers, pieces, vectors
 
@@ -233,10 +243,9 @@ def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
                   limit: int) -> _Frames:
     """The frames of an array batch, all vector requests, built from its arrays: ops that
     continue each other on both sides are one range (as `_merge` does), and each vector
-    takes the next ranges of one segment, up to MAX_VECTOR_RANGES ranges and `limit`
-    bytes, its table made by one numpy cast, its local side one view per run of ranges
-    that continue each other locally (a KV layer's pages, side by side in the cache:
-    one). No Python object per op, which is what a batch of 4 KiB pages costs otherwise.
+    takes the next ranges of one segment as `_vector_spans` cuts them, its table made by
+    one numpy cast, its local side one view per run of ranges that continue each other
+    locally (a KV layer's pages, side by side in the cache: one). No Python object per op, which is what a batch of 4 KiB pages costs otherwise.
     Every op is at most `limit` bytes (the caller checked)."""
     writing = op == TransferOp.WRITE
     opcode = wire.Op.WRITE if writing else wire.Op.READ
@@ -255,23 +264,18 @@ def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
     seg, local = seg[firsts_op], local[firsts_op]
     ranges = len(sizes)
     ends = np.cumsum(sizes)
-    changes = (np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist() + [ranges]
     table = np.empty((ranges, 2), ">u8")
     table[:, 0] = remote[firsts_op]
     table[:, 1] = sizes
+    segment_changes = np.ones(ranges, bool)
+    segment_changes[1:] = seg[1:] != seg[:-1]
     breaks = np.ones(ranges, bool)  # where a range's local side does not continue the last
     breaks[1:] = local[1:] != local[:-1] + sizes[:-1]
     firsts: list[int] = []
     lasts: list[int] = []
     headers: list[bytes] = []
     pieces: list[list[memoryview]] = []
-    start, change = 0, 0
-    while start < ranges:
-        while changes[change] <= start:
-            change += 1
-        before = int(ends[start - 1]) if start else 0
-        fit = int(np.searchsorted(ends, before + limit, "right"))
-        stop = max(start + 1, min(start + wire.MAX_VECTOR_RANGES, changes[change], fit))
+    for start, stop in _vector_spans(segment_changes, sizes, limit):
         segment = ops.segments[int(seg[start])]
         headers.append(proto.vector_table(opcode, segment.segment_id, segment.epoch,
                                           table[start:stop]))
@@ -283,7 +287,6 @@ def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
         pieces.append(views)
         firsts.append(int(firsts_op[start]))
         lasts.append(int(lasts_op[stop - 1]))
-        start = stop
     frames = list(range(len(headers)))
     if writing:
         return _Frames(firsts, headers, payloads=pieces, lasts=lasts, vectors=frames)
