@@ -614,7 +614,9 @@ class LocationCache:
 
     def all_still_kept(self, keys: Sequence[str], sources: Sequence[Any]) -> bool:
         """`still_kept` of every (key, source)."""
-        return len(keys) == len(sources) and all(map(self.still_kept, keys, sources))
+        kept = map(self._sources.get, keys)
+        return len(keys) == len(sources) and all(
+            entry is not None and entry[1] is source for entry, source in zip(kept, sources, strict=True))
 
     def keep_source(self, key: str, result: GetReplicasResult, source: Any) -> None:
         """Keep `source` for `key` if `result` is still its entry."""

@@ -508,40 +508,94 @@ static PyObject *copy_stream(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* read_checked(dst, src, length, word, expect, fd): memmove a mapped peer range into
- * this process's memory, then the two checks a READ transfer makes after its copy, in the
- * same call: the owner's liveness word at address `word` still reads `expect` (the segment
- * is still served), and the owner agent's unix socket `fd` has not hung up (poll, then a
- * MSG_PEEK for end-of-file if it is readable). True when both hold. For the store's
- * repeated get of a cached key (hixl.transports.fabric.MappedRange), where three Python
- * calls around a 64 KiB memmove cost half as much as the copy. */
-static PyObject *read_checked(PyObject *self, PyObject *args) {
-    unsigned long long dst, src, word, expect;
-    Py_ssize_t length;
-    int fd;
-    if (!PyArg_ParseTuple(args, "KKnKKi", &dst, &src, &length, &word, &expect, &fd)) return NULL;
-    if (length < 0) {
-        PyErr_SetString(PyExc_ValueError, "read_checked(): length is negative");
+/* The owner's liveness word at `word` still reads `expect` (the segment is still served)
+ * and the owner agent's unix socket `fd` has not hung up (poll, then a MSG_PEEK for
+ * end-of-file if it is readable): the checks a READ transfer makes after its copy. */
+static int still_served(uint64_t word, uint64_t expect, int fd) {
+    if (fd < 0 || *(volatile const uint64_t *)(uintptr_t)word != expect) return 0;
+    struct pollfd p = {fd, POLLIN | POLLRDHUP, 0};
+    int n = poll(&p, 1, 0);
+    if (n < 0 || (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)))) return 0;
+    if (n > 0) {  /* readable: data (alive) or end-of-file (gone) */
+        char byte;
+        ssize_t got = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+        return got > 0 || (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR));
+    }
+    return 1;
+}
+
+/* n tuples of `width` unsigned ints from a list or tuple of tuples, into out[n * width]
+ * (PyMem_Free it); NULL with an exception when the shape or a value is wrong. */
+static uint64_t *int_rows(PyObject *rows, Py_ssize_t width, Py_ssize_t *n, const char *what) {
+    PyObject *seq = PySequence_Fast(rows, what);
+    if (seq == NULL) return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq);
+    uint64_t *out = PyMem_Malloc((size_t)(*n * width + 1) * sizeof(uint64_t));
+    if (out == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
         return NULL;
     }
-    int served, alive = 1;
-    Py_BEGIN_ALLOW_THREADS
-    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)length);
-    served = *(volatile const uint64_t *)(uintptr_t)word == expect;
-    if (served) {
-        struct pollfd p = {fd, POLLIN | POLLRDHUP, 0};
-        int n = poll(&p, 1, 0);
-        if (n < 0 || (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)))) {
-            alive = 0;
-        } else if (n > 0) {  /* readable: data (alive) or end-of-file (gone) */
-            char byte;
-            ssize_t got = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-            alive = got > 0 || (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK
-                                            || errno == EINTR));
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        PyObject *row = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != width) {
+            PyErr_Format(PyExc_TypeError, "read_checked(): %s[%zd] is not a %zd-tuple", what, i,
+                         width);
+            goto fail;
+        }
+        for (Py_ssize_t k = 0; k < width; k++) {
+            PyObject *item = PyTuple_GET_ITEM(row, k);
+            long long value = PyLong_AsLongLong(item);
+            if (value == -1 && PyErr_Occurred()) {
+                PyErr_Clear();  /* above 2^63 (an address or an id): take it unsigned */
+                value = (long long)PyLong_AsUnsignedLongLong(item);
+                if (PyErr_Occurred()) goto fail;
+            }
+            out[i * width + k] = (uint64_t)value;
         }
     }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(out);
+    return NULL;
+}
+
+/* read_checked(moves, checks): memmove each (dst, src, length) of `moves`, mapped peer
+ * ranges into this process's memory, then each (word, expect, fd) of `checks`
+ * (still_served), in one call with the GIL released. True when every check holds. For
+ * the store's repeated get of cached keys (hixl.transports.fabric.MappedRange, read_all),
+ * where Python calls around a 64 KiB memmove cost half as much as the copy. A negative
+ * length refuses the call before any byte moves. */
+static PyObject *read_checked(PyObject *self, PyObject *args) {
+    PyObject *omoves, *ochecks;
+    if (!PyArg_ParseTuple(args, "OO", &omoves, &ochecks)) return NULL;
+    Py_ssize_t n, m;
+    uint64_t *moves = int_rows(omoves, 3, &n, "moves"), *checks = NULL;
+    if (moves == NULL || (checks = int_rows(ochecks, 3, &m, "checks")) == NULL) {
+        PyMem_Free(moves);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((int64_t)moves[i * 3 + 2] < 0) {
+            PyErr_Format(PyExc_ValueError, "read_checked(): moves[%zd] has a negative length", i);
+            PyMem_Free(moves);
+            PyMem_Free(checks);
+            return NULL;
+        }
+    }
+    int served = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        memmove((void *)(uintptr_t)moves[i * 3], (const void *)(uintptr_t)moves[i * 3 + 1],
+                (size_t)moves[i * 3 + 2]);
+    for (Py_ssize_t i = 0; i < m && served; i++)
+        served = still_served(checks[i * 3], checks[i * 3 + 1], (int)(int64_t)checks[i * 3 + 2]);
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(served && alive);
+    PyMem_Free(moves);
+    PyMem_Free(checks);
+    return PyBool_FromLong(served);
 }
 
 /* copy_runs(dst, src, lengths, stream=0): memmove(dst[i], src[i], lengths[i]) for every i; three
@@ -631,7 +685,7 @@ static PyMethodDef methods[] = {
     {"serve", serve, METH_VARARGS, "Answer lone accepted WRITE/READ frames (agent side)."},
     {"copy_runs", copy_runs, METH_VARARGS, "memmove per (dst, src, length) of int64 arrays."},
     {"copy_stream", copy_stream, METH_VARARGS, "One move with streaming (non-temporal) stores."},
-    {"read_checked", read_checked, METH_VARARGS, "memmove, then a liveness word and a socket."},
+    {"read_checked", read_checked, METH_VARARGS, "memmoves, then liveness words and sockets."},
     {"header", header, METH_VARARGS, "The 48-byte header wire.py packs."},
     {"unpack", unpack, METH_O, "The fields of a 48-byte header."},
     {NULL, NULL, 0, NULL}};

@@ -227,6 +227,40 @@ def test_a_repeated_batch_get_into_copies_every_key_from_its_kept_mapping(
         len(values[k]) for i, k in enumerate(keys) if i != 2]
 
 
+def test_kept_reads_check_every_destination_against_the_registered_buffers(
+        clients: tuple[MooncakeDistributedStore, ...]) -> None:
+    """The kept path checks destinations in one lookup when they share a buffer; spread
+    over two registered buffers they still read from the kept mappings (each checked); a
+    destination in no registered buffer sends the call down the general path (a transfer),
+    which reads into it as Mooncake's TCP transport would."""
+    writer, store = clients
+    values = {f"d{i}": pattern(40 + i, 20_000) for i in range(4)}
+    for key, value in values.items():
+        assert writer.put(key, value) == 0
+    first, second = np.zeros(2 * 20_000, np.uint8), np.zeros(2 * 20_000, np.uint8)
+    for sink in (first, second):
+        assert store.register_buffer(sink.ctypes.data, sink.nbytes) == 0
+    keys = list(values)
+    ptrs = [first.ctypes.data, second.ctypes.data, first.ctypes.data + 20_000,
+            second.ctypes.data + 20_000]
+    expected = [values["d0"] + values["d2"], values["d1"] + values["d3"]]
+
+    def read(dsts: list[int]) -> list[int]:
+        first[:], second[:] = 0, 0
+        return store.batch_get_into(keys, dsts, [20_000] * 4)
+
+    assert read(ptrs) == [20_000] * 4     # asks the master
+    assert read(ptrs) == [20_000] * 4     # one transfer; keeps the mappings
+    transfers = fabric_reads(store)
+    assert read(ptrs) == [20_000] * 4
+    assert [first.tobytes(), second.tobytes()] == expected
+    assert fabric_reads(store) == transfers   # from the kept mappings
+    elsewhere = np.zeros(20_000, np.uint8)    # mapped here, never registered
+    assert read(ptrs[:3] + [elsewhere.ctypes.data]) == [20_000] * 4
+    assert fabric_reads(store) > transfers     # the general path's transfer
+    assert elsewhere.tobytes() == values["d3"] and first.tobytes() == expected[0]
+
+
 def test_reads_from_kept_mappings_racing_close_end_in_a_code_not_a_crash(
         clients: tuple[MooncakeDistributedStore, ...]) -> None:
     """Threads repeating cached get_into while the store closes: each call returns the

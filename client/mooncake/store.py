@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from operator import add
 from typing import Any
 
 from hixl import device
@@ -974,6 +975,15 @@ class MooncakeDistributedStore:
         hit = self._buffers.lookup(addr)
         return hit is not None and addr + size <= hit[1]   # (base, end, handle)
 
+    def _inside_buffers(self, addrs: Sequence[int], sizes: Sequence[int]) -> bool:
+        """`_inside_buffer` of every (addr, size): one lookup when they all lie in one
+        registered buffer (a batch's destinations, as a rule)."""
+        low = min(addrs)
+        hit = self._buffers.lookup(low)
+        if hit is not None and max(map(add, addrs, sizes)) <= hit[1]:
+            return True
+        return all(map(self._inside_buffer, addrs, sizes))
+
     # ------------------------------------------------------------ targets and transfers
 
     def _connect(self, target: str) -> Engine:
@@ -1762,12 +1772,14 @@ class MooncakeDistributedStore:
         sources = locations.sources(keys)
         if sources is None:
             return None
-        for source, ptr, size in zip(sources, ptrs, sizes, strict=True):
-            if type(ptr) is not int or type(size) is not int or not 0 < source.length <= size \
-                    or ptr < 0 or not self._inside_buffer(ptr, source.length):
+        lengths = [source.length for source in sources]
+        for ptr, size, length in zip(ptrs, sizes, lengths, strict=True):
+            if type(ptr) is not int or type(size) is not int or not 0 < length <= size \
+                    or ptr < 0:
                 return None
-        if read_all(sources, ptrs) and locations.all_still_kept(keys, sources):
-            return [source.length for source in sources]
+        if self._inside_buffers(ptrs, lengths) and read_all(sources, ptrs) \
+                and locations.all_still_kept(keys, sources):
+            return lengths
         return None
 
     def _read_cached(self, keys: Sequence[Any], ptrs: Sequence[Any], sizes: Sequence[Any],
@@ -1784,9 +1796,10 @@ class MooncakeDistributedStore:
             return None
         for key, ptr, size in zip(keys, ptrs, sizes, strict=True):
             if type(key) is not str or type(ptr) is not int or type(size) is not int \
-                    or size <= 0 or ptr < 0 or _key_problem(key) \
-                    or not self._inside_buffer(ptr, size):
+                    or size <= 0 or ptr < 0 or _key_problem(key):
                 return None
+        if not self._inside_buffers(ptrs, sizes):
+            return None
         local: list[tuple[int, int, int]] = []
         remote: list[tuple[int, int, int]] = []
         fetched: list[tuple[str, GetReplicasResult]] = []  # the keys `remote` reads, in order

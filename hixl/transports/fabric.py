@@ -87,32 +87,40 @@ class MappedRange:
         anew, as after a failed READ transfer. One C call with the compiled module."""
         if _read_checked is None:
             return read_all((self,), (dst,))
-        if not self.current():
-            return False
-        fd = self._transport._fd_client.fileno()
-        return fd >= 0 and _read_checked(dst, self.addr, self.length, self._word,
-                                         self._mapped.segment.segment_id, fd)
+        return self.current() and _read_checked(((dst, self.addr, self.length),),
+                                                (self._check(),))
 
     def current(self) -> bool:
         """Its transport still maps the segment this way (not closed, remapped, withdrawn)."""
         mapped = self._mapped
         return self._transport._mappings.get(mapped.segment.segment_id) is mapped
 
+    def _check(self) -> tuple[int, int, int]:
+        """(liveness word, the value it must read, the owner's socket) for read_checked."""
+        return (self._word, self._mapped.segment.segment_id,
+                self._transport._fd_client.fileno())
+
 
 def read_all(ranges: Sequence[MappedRange], dsts: Sequence[int]) -> bool:
     """`read_into` of many ranges into `dsts` at once: each mapping's currency checked
-    first, the copies one C-level loop (copy_moves), then each distinct segment's liveness
-    word and each distinct owner's socket once. False as `read_into` is."""
-    if not all(map(MappedRange.current, ranges)):
-        return False
-    copy_moves([(dst, source.addr, source.length)
-                for source, dst in zip(ranges, dsts, strict=True)])
-    mapped = {id(source._mapped): source for source in ranges}
-    for source in mapped.values():
-        hit = source._mapped
-        if not source._transport._states.holds(hit.slot, hit.segment.segment_id):
+    first, then, in one C call (`_fastwire.read_checked`), the copies and each distinct
+    segment's liveness word and owner's socket. False as `read_into` is."""
+    moves = []
+    checks: dict[int, MappedRange] = {}  # liveness word -> a range of that segment
+    for source, dst in zip(ranges, dsts, strict=True):
+        mapped = source._mapped
+        if source._transport._mappings.get(mapped.segment.segment_id) is not mapped:
+            return False  # not current()
+        moves.append((dst, source.addr, source.length))
+        checks[source._word] = source
+    if _read_checked is not None:
+        return _read_checked(moves, [source._check() for source in checks.values()])
+    copy_moves(moves)
+    for source in checks.values():
+        if not source._transport._states.holds(source._mapped.slot,
+                                               source._mapped.segment.segment_id):
             return False
-    owners = {id(source._transport): source._transport for source in mapped.values()}
+    owners = {id(source._transport): source._transport for source in checks.values()}
     return all(transport._fd_client.alive() for transport in owners.values())
 
 
