@@ -342,13 +342,24 @@ class ReadTable:
 
 
 class ReceiveVector:
-    """Receive the next `size` payload bytes into `targets` in order (segment memory, one
-    view per range), then acknowledge the vector WRITE (`request_id`, as ReceiveInto)."""
+    """Receive the next `size` payload bytes into the ranges of segment `memory` at
+    `starts` of `lengths` bytes (int64 arrays, in the table's order), then acknowledge the
+    vector WRITE (`request_id`, as ReceiveInto). Arrays, not a view per range: a receive
+    loop in C fills them without building hundreds of views."""
 
-    __slots__ = ("targets", "size", "request_id")
+    __slots__ = ("memory", "starts", "lengths", "size", "request_id")
 
-    def __init__(self, targets: list[memoryview], size: int, request_id: int) -> None:
-        self.targets, self.size, self.request_id = targets, size, request_id
+    def __init__(self, memory: memoryview, starts: np.ndarray, lengths: np.ndarray,
+                 size: int, request_id: int) -> None:
+        self.memory, self.starts, self.lengths = memory, starts, lengths
+        self.size, self.request_id = size, request_id
+
+    @property
+    def targets(self) -> list[memoryview]:
+        """One view of `memory` per range, in order."""
+        memory = self.memory
+        return [memory[start:start + n] for start, n in zip(self.starts.tolist(),
+                                                            self.lengths.tolist(), strict=True)]
 
 
 class SendVector:
@@ -591,13 +602,12 @@ class ServerProtocol(_ServerHandshake):
         refusal = self._check(header, segment)
         if refusal is None:
             assert segment is not None
-            starts = (addrs - segment.base).tolist()
-            memory = segment.memory
-            views = [memory[start:start + n] for start, n in zip(starts, lengths.tolist(),
-                                                                 strict=True)]
+            starts = (addrs - segment.base).astype(np.int64)
+            received = ReceiveVector(segment.memory, starts, lengths.astype(np.int64),
+                                     action.length, rid)
             if writing:
-                return ReceiveVector(views, action.length, rid)
-            return SendVector(views, action.length, rid)
+                return received
+            return SendVector(received.targets, action.length, rid)
         reply = error_reply(rid, *refusal)
         return Discard(action.length, reply) if writing else Send(reply)
 

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -32,6 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -191,6 +193,65 @@ def test_c_client_single_ends_at_the_deadline(opcode: wire.Op) -> None:
     for fast in (FAST, None):
         outcome = run_single(fast, opcode, 1, 1, 0, b"x" * 100, "silent", 0, 0)[1]
         assert outcome == ("lost", "timeout", "deadline passed", 0)
+
+
+@needs_fast
+def test_c_recv_scatter_fills_ranges_in_table_order_across_calls() -> None:
+    """recv_scatter (a vector WRITE's payload): the stream lands range by range in the
+    table's order, whatever the ranges' places, over more ranges than one recvmsg takes
+    (IOV_MAX) and however the sender's writes are cut; short only at end-of-file."""
+    rng = random.Random(7)
+    count, size = 1500, 37                      # > IOV_MAX ranges of an odd size
+    memory = bytearray(count * size * 2)
+    order = list(range(count * 2))
+    rng.shuffle(order)
+    starts = np.array(order[:count], np.int64) * size
+    lengths = np.full(count, size, np.int64)
+    payload = bytes(rng.getrandbits(8) for _ in range(count * size))
+    ours, theirs = socket.socketpair()
+    try:
+        def send() -> None:
+            at = 0
+            while at < len(payload):             # cut at random, not at range edges
+                step = rng.randint(1, 5000)
+                theirs.sendall(payload[at:at + step])
+                at += step
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert FAST.recv_scatter(ours.fileno(), memory, starts, lengths) == len(payload)
+        sender.join()
+        landed = b"".join(bytes(memory[s:s + size]) for s in starts.tolist())
+        assert landed == payload
+        assert sum(memory) == sum(payload)       # nothing outside the ranges
+        theirs.sendall(payload[:100])
+        theirs.close()                           # end-of-file after 100 bytes
+        assert FAST.recv_scatter(ours.fileno(), memory, starts[:10], lengths[:10]) == 100
+    finally:
+        ours.close()
+        theirs.close()
+
+
+@needs_fast
+def test_c_recv_scatter_refuses_ranges_outside_its_memory_and_times_out() -> None:
+    ours, theirs = socket.socketpair()
+    try:
+        memory = bytearray(100)
+        theirs.sendall(b"x" * 10)
+        for starts, lengths in (([95], [10]), ([-1], [5]), ([0, 50], [5, -1])):
+            with pytest.raises(ValueError, match="outside the 100-byte memory"):
+                FAST.recv_scatter(ours.fileno(), memory, np.array(starts, np.int64),
+                                  np.array(lengths, np.int64))
+        assert memory == bytearray(100)          # refused before reading: still queued
+        with pytest.raises(ValueError, match="differ in length"):
+            FAST.recv_scatter(ours.fileno(), memory, np.zeros(2, np.int64),
+                              np.ones(1, np.int64))
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
+        with pytest.raises(BlockingIOError):     # SO_RCVTIMEO passed: 10 of 20 bytes came
+            FAST.recv_scatter(ours.fileno(), memory, np.array([0], np.int64),
+                              np.array([20], np.int64))
+    finally:
+        ours.close()
+        theirs.close()
 
 
 # ---------------------------------------------------------------- the agent

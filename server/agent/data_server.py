@@ -366,7 +366,7 @@ class _Connection:
                 action = proto.on_table(action, table)
                 kind = type(action)
                 if kind is wire.ReceiveVector:
-                    self._receive_scatter(action.targets)
+                    self._receive_scatter(action)
                     rid, size = action.request_id, action.size
                     action = None  # the data is in; the views go before the reply does
                     self._accepted(_WRITE, rid, size, None)
@@ -661,40 +661,56 @@ class _Connection:
             self._recv_with_more(rest, self.view)
             self.exact = False
 
-    def _receive_scatter(self, targets: list[memoryview]) -> None:
-        """Fill `targets` in order with the next payload bytes (a vector WRITE's ranges):
-        those already in the ring copied, the rest straight from the socket into segment
-        memory, as many ranges per system call as it takes (recvmsg_into, waiting for all
-        of them: one wake-up per call, as `_recv_exact`)."""
+    def _receive_scatter(self, vector: wire.ReceiveVector) -> None:
+        """Fill a vector WRITE's ranges in order with the next payload bytes: those already
+        in the ring copied, the rest straight from the socket into segment memory, as
+        many ranges per system call as it takes, waiting for all of them (MSG_WAITALL: one
+        wake-up per call, as `_recv_exact`); in C (`recv_scatter`) when it is built."""
+        memory, starts, lengths = vector.memory, vector.starts, vector.lengths
         have = self.end - self.start
-        if have:
-            view, at = self.view, self.start
-            for index, target in enumerate(targets):
-                take = min(len(target), have)
-                target[:take] = view[at:at + take]
-                at += take
-                have -= take
-                if take < len(target):
-                    targets = [target[take:], *targets[index + 1:]]
+        if have:  # the ring holds the first ranges' bytes (a few: it is one ring long)
+            view, at, index = self.view, self.start, 0
+            while have and index < len(lengths):
+                start, length = int(starts[index]), int(lengths[index])
+                take = min(length, have)
+                memory[start:start + take] = view[at:at + take]
+                at, have = at + take, have - take
+                if take < length:  # its rest comes from the socket
+                    starts, lengths = starts[index:].copy(), lengths[index:].copy()
+                    starts[0] += take
+                    lengths[0] -= take
+                    index = 0
                     break
-            else:
-                targets = []
+                index += 1
+            starts, lengths = starts[index:], lengths[index:]
             self.start = at
-        if not targets:
+        if not len(lengths):
             return
         self.start = self.end = 0
         self.drained = False  # more may be queued behind it
         self.exact = True
+        want = int(lengths.sum())
+        try:
+            if self.server.fast is not None:
+                got = self.server.fast.recv_scatter(  # type: ignore[attr-defined]
+                    self.sock.fileno(), memory, starts, lengths)
+            else:
+                got = self._recvmsg_all(wire.ReceiveVector(memory, starts, lengths, want,
+                                                           vector.request_id).targets)
+        except BlockingIOError:
+            raise Stalled(f"vector payload stalled with up to {want} bytes to come") from None
+        if got != want:
+            raise PeerGone()
+
+    def _recvmsg_all(self, targets: list[memoryview]) -> int:
+        """recv_scatter in Python: bytes received into `targets`, short at end-of-file."""
         queue = BufferQueue(targets)  # type: ignore[arg-type]
         while queue.left:
-            try:
-                got = self.sock.recvmsg_into(queue.chunk(), 0, socket.MSG_WAITALL)[0]
-            except BlockingIOError:
-                raise Stalled(f"vector payload stalled with {queue.left} bytes to come"
-                              ) from None
+            got = self.sock.recvmsg_into(queue.chunk(), 0, socket.MSG_WAITALL)[0]
             if not got:
-                raise PeerGone()
+                break
             queue.advance(got)
+        return queue.moved
 
     def _recv_exact(self, target: memoryview) -> None:
         """Fill `target` from the socket: no intermediate buffer, one call per payload."""
