@@ -1302,3 +1302,35 @@ def test_array_batches_frame_by_segment_ranges_and_limit() -> None:
     small = tcp._array_frames(wire.ClientProtocol(), TransferOp.READ, ops, 1000)
     sizes = [sum(len(v) for v in t) for t in small.targets]  # type: ignore[union-attr]
     assert max(sizes) <= 1000 and sum(sizes) == int(lengths.sum())
+
+
+def test_array_batch_tables_join_ranges_adjacent_in_the_segment_whatever_the_local_side(
+        ) -> None:
+    """`tcp._array_frames` (unit), a top-k gather's shape: each block's pages follow each
+    other in the pool but land strided in the compact buffer. The table has one entry per
+    block (the agent checks and sends 3 ranges, not 30); the local side one view per page,
+    in the same order, so the stream's bytes land where each op says."""
+    pool = SegmentInfo(1, "agent", "node", 0x10_0000, 1 << 30, MemType.MEM_HOST, Perm.RW,
+                       EPOCH, False)
+    layers, blocks, page = 10, 3, 64
+    into = np.zeros(layers * blocks * page, np.uint8)
+    addr = into.ctypes.data
+    layer, block = np.meshgrid(np.arange(layers), np.arange(blocks))   # block-major order
+    slots = np.array([7, 2, 5])[block.ravel()]
+    remote = pool.base + (slots * layers + layer.ravel()) * page
+    local = addr + (layer.ravel() * blocks + block.ravel()) * page
+    count = layers * blocks
+    ops = ItemArrays([pool], np.zeros(count, np.int64), local.astype(np.int64),
+                     remote.astype(np.int64), np.full(count, page, np.int64),
+                     np.arange(count))
+    frames = tcp._array_frames(wire.ClientProtocol(), TransferOp.READ, ops, 1 << 20)
+    assert len(frames.headers) == 1 and frames.vectors == [0]
+    header = wire.decode_header(frames.headers[0][:wire.HEADER_SIZE])
+    assert (header.addr, header.length) == (blocks, count * page)    # 3 entries, all bytes
+    table = np.frombuffer(frames.headers[0][wire.HEADER_SIZE:], ">u8").reshape(-1, 2)
+    assert table.tolist() == [[pool.base + s * layers * page, layers * page] for s in (7, 2, 5)]
+    assert frames.targets is not None
+    [views] = frames.targets
+    assert len(views) == count
+    starts = [np.frombuffer(v, np.uint8).ctypes.data for v in views]
+    assert starts == local.tolist() and all(len(v) == page for v in views)

@@ -243,10 +243,12 @@ def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
                   limit: int) -> _Frames:
     """The frames of an array batch, all vector requests, built from its arrays: ops that
     continue each other on both sides are one range (as `_merge` does), and each vector
-    takes the next ranges of one segment as `_vector_spans` cuts them, its table made by
-    one numpy cast, its local side one view per run of ranges that continue each other
-    locally (a KV layer's pages, side by side in the cache: one). No Python object per op, which is what a batch of 4 KiB pages costs otherwise.
-    Every op is at most `limit` bytes (the caller checked)."""
+    takes the next ranges of one segment as `_vector_spans` cuts them. The two sides of a
+    vector are cut apart, as each is one byte stream: its table has an entry per run of
+    ranges that continue each other in the segment (a block's layers, side by side in the
+    pool: one), its local side a view per run that continues locally (a KV layer's pages,
+    side by side in the cache: one). No Python object per op, which is what a batch of 4
+    KiB pages costs otherwise. Every op is at most `limit` bytes (the caller checked)."""
     writing = op == TransferOp.WRITE
     opcode = wire.Op.WRITE if writing else wire.Op.READ
     seg, local, remote, lengths = ops.seg, ops.local, ops.remote, ops.lengths
@@ -261,30 +263,33 @@ def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
     if int(sizes.max()) > limit:  # a run over the frame limit: one range per op instead
         firsts_op = lasts_op = np.arange(count)
         sizes = lengths
-    seg, local = seg[firsts_op], local[firsts_op]
+    seg, local, remote = seg[firsts_op], local[firsts_op], remote[firsts_op]
     ranges = len(sizes)
-    ends = np.cumsum(sizes)
-    table = np.empty((ranges, 2), ">u8")
-    table[:, 0] = remote[firsts_op]
-    table[:, 1] = sizes
+    ends = np.zeros(ranges + 1, np.int64)  # ends[i]: the bytes of ranges before range i
+    np.cumsum(sizes, out=ends[1:])
     segment_changes = np.ones(ranges, bool)
     segment_changes[1:] = seg[1:] != seg[:-1]
-    breaks = np.ones(ranges, bool)  # where a range's local side does not continue the last
-    breaks[1:] = local[1:] != local[:-1] + sizes[:-1]
+    remote_breaks = segment_changes.copy()  # where a range does not continue the last there
+    remote_breaks[1:] |= remote[1:] != remote[:-1] + sizes[:-1]
+    local_breaks = np.ones(ranges, bool)  # ... and here
+    local_breaks[1:] = local[1:] != local[:-1] + sizes[:-1]
     firsts: list[int] = []
     lasts: list[int] = []
     headers: list[bytes] = []
     pieces: list[list[memoryview]] = []
     for start, stop in _vector_spans(segment_changes, sizes, limit):
         segment = ops.segments[int(seg[start])]
-        headers.append(proto.vector_table(opcode, segment.segment_id, segment.epoch,
-                                          table[start:stop]))
-        spans = (np.flatnonzero(breaks[start + 1:stop]) + start + 1).tolist()
-        views = []
-        for first, last in zip([start, *spans], [*spans, stop], strict=True):
-            size = int(ends[last - 1]) - (int(ends[first - 1]) if first else 0)
-            views.append(local_view(int(local[first]), size, writable=not writing))
-        pieces.append(views)
+        runs = np.flatnonzero(remote_breaks[start + 1:stop]) + 1  # from `start`
+        table = np.empty((len(runs) + 1, 2), ">u8")
+        table[0, 0] = remote[start]
+        table[1:, 0] = remote[start + runs]
+        table[:, 1] = np.add.reduceat(sizes[start:stop], np.append(0, runs))
+        headers.append(proto.vector_table(opcode, segment.segment_id, segment.epoch, table))
+        local_runs = np.flatnonzero(local_breaks[start + 1:stop]) + start + 1
+        run_firsts, run_stops = np.append(start, local_runs), np.append(local_runs, stop)
+        pieces.append(_views(local[run_firsts].tolist(),
+                             (ends[run_stops] - ends[run_firsts]).tolist(),
+                             writable=not writing))
         firsts.append(int(firsts_op[start]))
         lasts.append(int(lasts_op[stop - 1]))
     frames = list(range(len(headers)))
