@@ -476,14 +476,27 @@ def test_truncated_and_odd_frames_are_handed_to_python(served: Served, kind: str
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_deregistering_under_lone_ops_never_touches_unmapped_memory(served: Served, kind: str,
-                                                                    seed: int) -> None:
-    """Threads hammer lone WRITE/READ ops at segments the main thread deregisters and
-    replaces: each op either moves the right bytes or fails with a typed error naming it;
-    the agent never crashes, and every unmap deferred while a view pinned it completes."""
+@pytest.mark.parametrize("shape", ["lone", "vector"])
+def test_deregistering_under_ops_never_touches_unmapped_memory(served: Served, kind: str,
+                                                               seed: int, shape: str,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               ) -> None:
+    """Threads hammer WRITE/READ ops at segments the main thread deregisters and replaces
+    (lone ops, served in C; or vectors of 5 ranges apart, whose WRITE data lands through
+    recv_scatter, holding the segment's memory as a buffer): each op either moves the
+    right bytes or fails with a typed error naming it; the agent never crashes, and every
+    unmap deferred while a view or buffer pinned it completes."""
     agent = served.agent
     rng = random.Random(seed)
-    size = 1 << 16
+    size = 1 << 16 if shape == "lone" else 1 << 20   # vectors: more than the agent's ring
+    scattered = [0]
+    recv_scatter = FAST.recv_scatter
+
+    def counting(*args: object) -> int:
+        scattered[0] += 1
+        return recv_scatter(*args)
+
+    monkeypatch.setattr(FAST, "recv_scatter", counting)
     current: list[SegmentInfo] = [agent.allocate(size, Perm.RW, name=f"s{i}") for i in range(2)]
     stop = threading.Event()
     failures: list[BaseException] = []
@@ -497,12 +510,15 @@ def test_deregistering_under_lone_ops_never_touches_unmapped_memory(served: Serv
         try:
             while not stop.is_set():
                 info = current[wrng.randrange(len(current))]
-                length = wrng.choice([64, 4096, 32768])
-                offset = wrng.randrange(0, size - length)
+                length = wrng.choice([64, 4096, 32768] if shape == "lone" else [40_000, 64_000])
+                ranges = 1 if shape == "lone" else 5
+                offsets = sorted(wrng.sample(range(0, size - length, length), ranges))
+                items = [Item(i, local.addr + i * length, info, info.base + offset, length)
+                         for i, offset in enumerate(offsets)
+                         if i == 0 or offset > offsets[i - 1] + length]  # none adjacent
                 op = wrng.choice([TransferOp.WRITE, TransferOp.READ])
                 try:
-                    transport.transfer(op, [Item(0, local.addr, info, info.base + offset,
-                                                 length)], deadline())
+                    transport.transfer(op, items, deadline())
                     done[0] += 1
                 except (errors.ParamInvalid, errors.StaleEpoch):
                     done[1] += 1  # deregistered under us: refused, typed
@@ -527,6 +543,7 @@ def test_deregistering_under_lone_ops_never_touches_unmapped_memory(served: Serv
             thread.join(60)
     assert not failures, failures
     assert done[0] > 0
+    assert (scattered[0] > 0) == (shape == "vector")
     served.server.stop()  # every connection thread has ended: no view pins anything now
     agent._retry_deferred()
     assert agent.counters()["deferred_unmaps"] == 0
