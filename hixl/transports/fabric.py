@@ -87,40 +87,40 @@ class MappedRange:
         anew, as after a failed READ transfer. One C call with the compiled module."""
         if _read_checked is None:
             return read_all((self,), (dst,))
-        return self.current() and _read_checked(((dst, self.addr, self.length),),
-                                                (self._check(),))
+        check = self._check()
+        return check is not None and _read_checked(((dst, self.addr, self.length),), (check,))
 
-    def current(self) -> bool:
-        """Its transport still maps the segment this way (not closed, remapped, withdrawn)."""
-        mapped = self._mapped
-        return self._transport._mappings.get(mapped.segment.segment_id) is mapped
-
-    def _check(self) -> tuple[int, int, int]:
-        """(liveness word, the value it must read, the owner's socket) for read_checked."""
-        return (self._word, self._mapped.segment.segment_id,
-                self._transport._fd_client.fileno())
+    def _check(self) -> tuple[int, int, int] | None:
+        """(liveness word, the value it must read, the owner's socket) for read_checked;
+        None when its transport no longer maps the segment this way (closed, remapped,
+        withdrawn)."""
+        mapped, transport = self._mapped, self._transport
+        segment_id = mapped.segment.segment_id
+        if transport._mappings.get(segment_id) is not mapped:
+            return None
+        return (self._word, segment_id, transport._fd_client.fileno())
 
 
 def read_all(ranges: Sequence[MappedRange], dsts: Sequence[int]) -> bool:
     """`read_into` of many ranges into `dsts` at once: each mapping's currency checked
-    first, then, in one C call (`_fastwire.read_checked`), the copies and each distinct
+    first (`_check`), then, in one C call (`_fastwire.read_checked`), the copies and each distinct
     segment's liveness word and owner's socket. False as `read_into` is."""
     moves = []
-    checks: dict[int, MappedRange] = {}  # liveness word -> a range of that segment
+    checks: dict[int, tuple[int, int, int]] = {}  # liveness word -> its check
     for source, dst in zip(ranges, dsts, strict=True):
-        mapped = source._mapped
-        if source._transport._mappings.get(mapped.segment.segment_id) is not mapped:
-            return False  # not current()
+        check = source._check()
+        if check is None:
+            return False
         moves.append((dst, source.addr, source.length))
-        checks[source._word] = source
+        checks[check[0]] = check
     if _read_checked is not None:
-        return _read_checked(moves, [source._check() for source in checks.values()])
+        return _read_checked(moves, list(checks.values()))
     copy_moves(moves)
-    for source in checks.values():
+    for source in ranges:
         if not source._transport._states.holds(source._mapped.slot,
                                                source._mapped.segment.segment_id):
             return False
-    owners = {id(source._transport): source._transport for source in checks.values()}
+    owners = {id(source._transport): source._transport for source in ranges}
     return all(transport._fd_client.alive() for transport in owners.values())
 
 
