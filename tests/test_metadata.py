@@ -36,6 +36,8 @@ from hixl.errors import ConfigError
 from hixl.server.master.etcd_metadata import EtcdMetadataBackend
 from hixl.server.master.master import StoreConfig, open_backend
 from hixl.server.master.metadata import (
+    Journal,
+    JournalFailed,
     LoadedState,
     LocalJournalBackend,
     MetadataBackend,
@@ -516,6 +518,85 @@ def test_a_torn_tail_is_ignored_with_a_warning_and_appends_continue(
     backend.close()
 
 
+def test_appends_reach_the_file_at_sync_in_order_one_write_per_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """append runs under the store's lock, so it makes no system call: the frames wait
+    in memory until a sync writes the whole group with one write (and one fsync)."""
+    path = tmp_path / "j.log"
+    journal = Journal(path)
+    writes: list[int] = []
+    real_write = os.write
+
+    def counted_write(fd: int, data: Any) -> int:
+        if fd == journal._fd:
+            writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", counted_write)
+    ends = [journal.append({"n": i}) for i in range(5)]
+    assert path.stat().st_size == 0 and writes == []      # nothing written yet
+    journal.sync(ends[1])                                 # covers the whole group queued
+    assert writes == [ends[4]] and path.stat().st_size == ends[4]
+    journal.sync(ends[4])                                 # already durable: no write
+    assert writes == [ends[4]]
+    journal.append({"n": 5})
+    journal.close()                                       # close writes what is queued
+    assert len(writes) == 2
+    records, good, size = read_journal(path)
+    assert records == [{"n": i} for i in range(6)] and good == size
+
+
+def test_a_failed_write_fails_the_journal_for_good(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """After a failed write or fsync nothing more may be reported durable (the kernel may
+    have dropped what it held): every later sync raises JournalFailed naming the file,
+    and a restart loads the records made durable before the failure."""
+    path = tmp_path / "j.log"
+    journal = Journal(path)
+    durable = journal.append({"n": 0})
+    journal.sync(durable)
+    lost = journal.append({"n": 1})
+    readonly = os.open(path, os.O_RDONLY)                 # a real EBADF on the next write
+    os.dup2(readonly, journal._fd)
+    os.close(readonly)
+    with caplog.at_level(logging.ERROR, logger="hixl.store"), \
+            pytest.raises(JournalFailed, match=re.escape(f"store journal {path}: cannot "
+                                                         "make records durable")):
+        journal.sync(lost)
+    assert "the master must be restarted" in caplog.text
+    journal.sync(durable)                                 # what was durable stays so
+    later = journal.append({"n": 2})
+    for position in (lost, later):                        # latched, not retried
+        with pytest.raises(JournalFailed):
+            journal.sync(position)
+    with pytest.raises(JournalFailed):
+        journal.close()
+    assert journal._fd == -1                              # closed all the same
+    assert read_journal(path)[0] == [{"n": 0}]
+
+
+def test_a_failed_journal_fails_the_store_call_that_waits_on_it(data_dir: Path) -> None:
+    """The backend's wait raises JournalFailed to the store call, which the call
+    endpoint answers as an internal error naming the journal."""
+    backend = LocalJournalBackend(data_dir)
+    backend.load()
+    backend.wait_durable(backend.append(HISTORY[0]))
+    mark = backend.append(HISTORY[1])
+    [journal] = journals(data_dir)
+    readonly = os.open(journal, os.O_RDONLY)
+    os.dup2(readonly, mark.journal._fd)
+    os.close(readonly)
+    with pytest.raises(JournalFailed, match="the master must be restarted"):
+        backend.wait_durable(mark)
+    with pytest.raises(JournalFailed):
+        backend.wait_durable()
+    with pytest.raises(JournalFailed):
+        backend.close()
+    backend = LocalJournalBackend(data_dir)
+    assert backend.load() == LoadedState(None, HISTORY[:1])
+    backend.close()
+
+
 def test_a_snapshot_replaces_the_files_before_it(data_dir: Path) -> None:
     backend = LocalJournalBackend(data_dir)
     backend.load()
@@ -528,6 +609,7 @@ def test_a_snapshot_replaces_the_files_before_it(data_dir: Path) -> None:
     assert sorted(p.name for p in data_dir.iterdir()) == [
         "LOCK", "journal-1.log", "snapshot-1.json"]
     assert json.loads((data_dir / "snapshot-1.json").read_bytes()) == {**state, "gen": 1}
+    backend.wait_durable()                       # appends reach the file when waited for
     assert read_journal(data_dir / "journal-1.log")[0] == HISTORY[8:10]
     backend.close()
     backend = LocalJournalBackend(data_dir)

@@ -82,6 +82,7 @@ which the client adds itself):
 from __future__ import annotations
 
 import abc
+import errno
 import fcntl
 import json
 import logging
@@ -93,7 +94,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from hixl.errors import ConfigError
+from hixl.errors import ConfigError, HixlError
 
 #: the store's logger: what an operator reads about the store, wherever its metadata lives
 log = logging.getLogger("hixl.store")
@@ -221,58 +222,92 @@ def _open_private(path: Path, flags: int) -> int:
     return fd
 
 
+class JournalFailed(HixlError):
+    """The journal could not write or fsync its records. It stays failed: what it holds
+    after the failure is unknown (a torn record, data the kernel dropped), so no later
+    record can be reported durable; the master must be restarted, and its load() keeps
+    the whole records before the damage."""
+
+
 class Journal:
     """Append-only, CRC-framed journal file with group commit.
 
-    `append` writes under the store's lock (so records are in mutation order) and
-    returns the position after the record; `sync(position)` is called after the lock is
-    released and returns once the record is on disk. Callers that arrive while an fsync
-    runs wait for it and then find themselves covered by the next one, so one fsync
-    serves everyone who was waiting.
+    `append` runs under the store's lock (so records are in mutation order): it only
+    encodes the record and queues the frame, returning the position after it, so the
+    lock is never held across a system call. `sync(position)` runs after the lock is
+    released: the first caller writes every queued frame in one write and fsyncs; those
+    that arrive meanwhile wait for it and then find themselves covered, or write and
+    fsync the next group. One write and one fsync serve everyone queued before them.
+
+    A failed write or fsync fails the journal for good (`JournalFailed`, now and at every
+    later sync): after a failed fsync the kernel may have dropped the pages, so a retry
+    that succeeded would claim records durable that are not.
     """
 
     def __init__(self, path: Path, *, fsync: bool = True) -> None:
         self.path = path
         self._fsync = fsync
         self._fd = _open_private(path, os.O_WRONLY | os.O_APPEND)
-        self.written = os.fstat(self._fd).st_size
+        self.written = os.fstat(self._fd).st_size  # the end of everything appended
         self._durable = self.written
         self.records = 0
+        self._queued: list[bytes] = []  # frames appended, not yet written
+        self._queue_lock = threading.Lock()
         self._sync_lock = threading.Lock()
+        self._failure: JournalFailed | None = None
 
     def append(self, record: dict[str, Any]) -> int:
         frame = _encode(record)
-        view = memoryview(frame)
-        while view:
-            view = view[os.write(self._fd, view):]
-        self.written += len(frame)
-        self.records += 1
-        return self.written
+        with self._queue_lock:
+            self._queued.append(frame)
+            self.written += len(frame)
+            self.records += 1
+            return self.written
 
     def sync(self, position: int | None = None) -> None:
-        """Return once everything up to `position` (default: all written) is durable."""
+        """Return once everything up to `position` (default: all appended) is durable;
+        JournalFailed if it cannot be."""
         target = self.written if position is None else position
         if self._durable >= target:
             return
         with self._sync_lock:
-            if self._durable >= target:  # the fsync we waited for covered us
+            if self._durable >= target:  # the group we waited for covered us
                 return
             self._sync_locked()
 
     def _sync_locked(self) -> None:
-        upto = self.written
-        if self._fsync and self._fd >= 0:
-            os.fsync(self._fd)
+        if self._failure is not None:
+            raise self._failure
+        with self._queue_lock:
+            frames, self._queued = self._queued, []
+            upto = self.written
+        try:
+            if self._fd < 0:
+                raise OSError(errno.EBADF, "the journal is closed")
+            view = memoryview(b"".join(frames))
+            while view:
+                view = view[os.write(self._fd, view):]
+            if self._fsync:
+                os.fsync(self._fd)
+        except OSError as exc:
+            self._failure = JournalFailed(
+                f"store journal {self.path}: cannot make records durable "
+                f"({exc.strerror or exc}); the master must be restarted")
+            log.error("%s", self._failure)
+            raise self._failure from exc
         self._durable = max(self._durable, upto)
 
     def close(self) -> None:
-        """Make everything durable and close; later sync() calls return at once."""
+        """Make everything durable and close (JournalFailed if that fails; the file is
+        closed either way); later sync() calls return at once, or raise the failure."""
         with self._sync_lock:
             if self._fd < 0:
                 return
-            self._sync_locked()
-            os.close(self._fd)
-            self._fd = -1
+            try:
+                self._sync_locked()
+            finally:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def _fsync_dir(path: Path) -> None:
@@ -463,13 +498,17 @@ class LocalJournalBackend(MetadataBackend):
         self._dir.write_snapshot(cut.gen, {**state, "gen": cut.gen})
 
     def close(self) -> None:
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
-        self._dir.close()
+        """Close the journal (JournalFailed if what it holds cannot be made durable);
+        the data dir is released either way, so a restarted master can take it."""
+        journal, self._journal = self._journal, None
+        try:
+            if journal is not None:
+                journal.close()
+        finally:
+            self._dir.close()
 
 
 __all__ = [
-    "DataDir", "Journal", "LoadedState", "LocalJournalBackend", "MetadataBackend", "Record",
+    "DataDir", "Journal", "JournalFailed", "LoadedState", "LocalJournalBackend", "MetadataBackend", "Record",
     "State", "read_journal",
 ]
