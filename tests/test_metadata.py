@@ -521,29 +521,81 @@ def test_a_torn_tail_is_ignored_with_a_warning_and_appends_continue(
 def test_appends_reach_the_file_at_sync_in_order_one_write_per_group(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """append runs under the store's lock, so it makes no system call: the frames wait
-    in memory until a sync writes the whole group with one write (and one fsync)."""
+    in memory until a sync writes the whole group with one write (and one fdatasync),
+    in place, into zeros the journal keeps ahead of its records; a clean close cuts the
+    zeros off."""
     path = tmp_path / "j.log"
     journal = Journal(path)
-    writes: list[int] = []
-    real_write = os.write
+    writes: list[tuple[int, int]] = []   # (offset, length) of each write of records
+    real_pwrite = os.pwrite
 
-    def counted_write(fd: int, data: Any) -> int:
-        if fd == journal._fd:
-            writes.append(len(data))
-        return real_write(fd, data)
+    def counted_pwrite(fd: int, data: Any, offset: int) -> int:
+        if fd == journal._fd and bytes(data).strip(b"\0"):
+            writes.append((offset, len(data)))
+        return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(os, "write", counted_write)
+    monkeypatch.setattr(os, "pwrite", counted_pwrite)
     ends = [journal.append({"n": i}) for i in range(5)]
     assert path.stat().st_size == 0 and writes == []      # nothing written yet
     journal.sync(ends[1])                                 # covers the whole group queued
-    assert writes == [ends[4]] and path.stat().st_size == ends[4]
+    assert writes == [(0, ends[4])]
+    assert path.stat().st_size == ends[4] + Journal.PREALLOCATE
+    assert read_journal(path) == ([{"n": i} for i in range(5)], ends[4], ends[4])
     journal.sync(ends[4])                                 # already durable: no write
-    assert writes == [ends[4]]
-    journal.append({"n": 5})
+    assert len(writes) == 1
+    end = journal.append({"n": 5})
     journal.close()                                       # close writes what is queued
-    assert len(writes) == 2
-    records, good, size = read_journal(path)
-    assert records == [{"n": i} for i in range(6)] and good == size
+    assert writes[1:] == [(ends[4], end - ends[4])]
+    assert path.stat().st_size == end
+    assert read_journal(path) == ([{"n": i} for i in range(6)], end, end)
+
+
+def test_a_crashed_journals_zeros_are_cut_without_a_warning(
+        data_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A master killed with its journal open leaves the preallocated zeros behind: the
+    next load reads the records before them, warns of nothing and appends after them."""
+    backend = LocalJournalBackend(data_dir)
+    backend.load()
+    backend.wait_durable(append_all(backend, HISTORY[:4])[-1])
+    [journal] = journals(data_dir)
+    assert journal.stat().st_size > Journal.PREALLOCATE  # as a kill -9 leaves it
+    copy = data_dir.parent / "copy"
+    copy.mkdir()
+    (copy / journal.name).write_bytes(journal.read_bytes())
+    backend.close()
+    backend = LocalJournalBackend(copy)
+    with caplog.at_level(logging.WARNING, logger="hixl.store"):
+        assert backend.load() == LoadedState(None, HISTORY[:4])
+    assert caplog.text == ""
+    backend.wait_durable(backend.append(HISTORY[4]))
+    backend.close()
+    backend = LocalJournalBackend(copy)
+    assert backend.load() == LoadedState(None, HISTORY[:5])
+    backend.close()
+
+
+def test_a_torn_group_in_the_zeros_is_cut_with_a_warning(
+        data_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A crash while a group was written in place: a frame cut short, zeros after it."""
+    backend = LocalJournalBackend(data_dir)
+    backend.load()
+    backend.wait_durable(append_all(backend, HISTORY[:3])[-1])
+    [journal] = journals(data_dir)
+    image = bytearray(journal.read_bytes())
+    backend.close()
+    end = journal.stat().st_size
+    torn = b"\x40\x00\x00\x00\x12\x34\x56\x78{\"t\":\"put\",\"o\":[[\"k9\""
+    image[end:end + len(torn)] = torn
+    journal.write_bytes(bytes(image))
+    backend = LocalJournalBackend(data_dir)
+    with caplog.at_level(logging.WARNING, logger="hixl.store"):
+        assert backend.load() == LoadedState(None, HISTORY[:3])
+    assert "ignoring a torn or corrupt tail" in caplog.text
+    backend.wait_durable(backend.append(HISTORY[3]))
+    backend.close()
+    backend = LocalJournalBackend(data_dir)
+    assert backend.load() == LoadedState(None, HISTORY[:4])
+    backend.close()
 
 
 def test_a_failed_write_fails_the_journal_for_good(

@@ -184,12 +184,16 @@ def _encode(record: dict[str, Any]) -> bytes:
 
 
 def read_journal(path: Path) -> tuple[list[dict[str, Any]], int, int]:
-    """(records, end of the last whole record, file size): a torn or corrupt tail stops it."""
+    """(records, end of the last whole record, end of the data): a torn or corrupt tail
+    stops it. The zeros the journal keeps ahead of its records (Journal.PREALLOCATE) are
+    not data: a file of records and zeros reads as end == size."""
     data = path.read_bytes()
     records: list[dict[str, Any]] = []
     pos = 0
     while pos + _FRAME.size <= len(data):
         length, crc = _FRAME.unpack_from(data, pos)
+        if length == 0 and not data[pos:].strip(b"\0"):  # no record is empty: the zeros
+            return records, pos, pos
         payload = data[pos + _FRAME.size:pos + _FRAME.size + length]
         if len(payload) < length or zlib.crc32(payload) != crc:
             break
@@ -239,17 +243,29 @@ class Journal:
     that arrive meanwhile wait for it and then find themselves covered, or write and
     fsync the next group. One write and one fsync serve everyone queued before them.
 
+    The file is kept PREALLOCATE bytes ahead of the records, zero-filled and made
+    durable once per chunk, and groups are written in place (pwrite + fdatasync): a
+    write that neither allocates blocks nor grows the file changes no metadata, so its
+    fdatasync flushes the data alone, without a filesystem journal commit (on ext4 here
+    ~145 µs wall and ~45 µs of kernel CPU per group, against ~210 and ~75 for an
+    append + fsync). `read_journal` stops at the zeros; a clean close cuts them off.
+
     A failed write or fsync fails the journal for good (`JournalFailed`, now and at every
     later sync): after a failed fsync the kernel may have dropped the pages, so a retry
     that succeeded would claim records durable that are not.
     """
 
+    #: bytes of zeros kept ahead of the records (one extension per ~13k put records)
+    PREALLOCATE = 4 << 20
+
     def __init__(self, path: Path, *, fsync: bool = True) -> None:
         self.path = path
         self._fsync = fsync
-        self._fd = _open_private(path, os.O_WRONLY | os.O_APPEND)
+        self._fd = _open_private(path, os.O_WRONLY)
+        # the file must end with its last whole record (DataDir.load cuts a tail off)
         self.written = os.fstat(self._fd).st_size  # the end of everything appended
         self._durable = self.written
+        self._allocated = self.written  # the file's size: records, then zeros
         self.records = 0
         self._queued: list[bytes] = []  # frames appended, not yet written
         self._queue_lock = threading.Lock()
@@ -284,11 +300,12 @@ class Journal:
         try:
             if self._fd < 0:
                 raise OSError(errno.EBADF, "the journal is closed")
-            view = memoryview(b"".join(frames))
-            while view:
-                view = view[os.write(self._fd, view):]
+            at = self._durable
+            if upto > self._allocated:
+                self._preallocate(upto)
+            _pwrite_all(self._fd, b"".join(frames), at)
             if self._fsync:
-                os.fsync(self._fd)
+                os.fdatasync(self._fd)  # the zeros written with it, if any, included
         except OSError as exc:
             self._failure = JournalFailed(
                 f"store journal {self.path}: cannot make records durable "
@@ -297,17 +314,36 @@ class Journal:
             raise self._failure from exc
         self._durable = max(self._durable, upto)
 
+    def _preallocate(self, upto: int) -> None:
+        """Grow the file with zeros to PREALLOCATE bytes past `upto`. Written, not
+        fallocate'd: an unwritten extent costs a metadata change at its first write."""
+        size = upto + self.PREALLOCATE
+        _pwrite_all(self._fd, bytes(size - self._allocated), self._allocated)
+        self._allocated = size
+
     def close(self) -> None:
-        """Make everything durable and close (JournalFailed if that fails; the file is
-        closed either way); later sync() calls return at once, or raise the failure."""
+        """Make everything durable, cut the zeros off and close (JournalFailed if that
+        fails; the file is closed either way); later sync() calls return at once, or
+        raise the failure."""
         with self._sync_lock:
             if self._fd < 0:
                 return
             try:
                 self._sync_locked()
+                if self._allocated > self._durable:
+                    os.ftruncate(self._fd, self._durable)
+                    if self._fsync:
+                        os.fsync(self._fd)
             finally:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
 
 
 def _fsync_dir(path: Path) -> None:
@@ -380,6 +416,7 @@ class DataDir:
             if good < size:
                 log.warning("store journal %s: ignoring a torn or corrupt tail of %d bytes "
                             "after %d whole records", path, size - good, len(got))
+            if good < path.stat().st_size:  # a torn tail, or the zeros of a crashed master
                 with open(path, "r+b") as f:
                     f.truncate(good)
         last = max([base, *journals])
