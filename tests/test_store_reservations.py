@@ -17,17 +17,18 @@ import threading
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import waiting
 
 from hixl.client.mooncake import MooncakeDistributedStore
-from hixl.client.store_client import MasterClient
+from hixl.client.store_client import MasterClient, _SharedCalls
 from hixl.server.master.store import ObjectStore
 from hixl.server.master.store_service import StoreCalls
 from hixl.store_codes import ErrorCode
-from hixl.store_types import StoreSegment
+from hixl.store_types import MasterUnavailable, StoreSegment
 from hixl.tools.daemons import HolderProcess, MasterProcess
 
 MiB = 1 << 20
@@ -353,3 +354,120 @@ def test_kill_9_of_the_master_between_write_and_commit(tmp_path: Path) -> None:
         first.close()
         if second is not None:
             second.close()
+
+
+# ---------------------------------------------------------------- commits shared by threads
+
+
+def test_threads_putting_through_one_client_get_their_own_results(
+        master: MasterProcess, holder: HolderProcess) -> None:
+    """Eight threads put through one client at once (their Commits may share calls,
+    `_SharedCalls`), some racing on common keys: every put returns 0, every value reads
+    back whole, and a key put by several threads holds one writer's value entire."""
+    store = pure_client(master)
+    threads, per_thread = 8, 25
+    errors: list[BaseException] = []
+    shared_values = {(n, i): pattern(10_000 + n * 100 + i, 4096 + n) for n in range(threads)
+                     for i in range(5)}
+
+    def worker(n: int) -> None:
+        try:
+            for i in range(per_thread):
+                assert store.put(f"t{n}-{i}", pattern(n * 1000 + i, 1000 + 37 * i)) == 0
+                if i < 5:   # racing puts: upserts of one key, and plain puts of another
+                    assert store.upsert(f"hot-{i}", shared_values[n, i]) == 0
+                    assert store.put(f"first-{i}", shared_values[n, i]) == 0
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    try:
+        running = [threading.Thread(target=worker, args=(n,)) for n in range(threads)]
+        for thread in running:
+            thread.start()
+        for thread in running:
+            thread.join(GIVE_UP_S)
+        assert not any(thread.is_alive() for thread in running) and errors == []
+        for n in range(threads):
+            for i in range(per_thread):
+                assert store.get(f"t{n}-{i}") == pattern(n * 1000 + i, 1000 + 37 * i)
+        for i in range(5):
+            candidates = {shared_values[n, i] for n in range(threads)}
+            assert store.get(f"hot-{i}") in candidates
+            assert store.get(f"first-{i}") in candidates
+        space = store._space
+        assert space is not None and space.commits == threads * (per_thread + 10)
+    finally:
+        store.close()
+
+
+class _Master:
+    """What _SharedCalls sends through, standing in for the Commit call: records each
+    call's items and, while `hold` is clear, keeps the caller in it."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[str, int, Any]]] = []
+        self.hold = threading.Event()
+        self.fail: BaseException | None = None
+
+    def send(self, items: list[tuple[str, int, Any]], options: tuple[Any, ...]) -> list[int]:
+        self.calls.append([item[0] for item in items])
+        assert self.hold.wait(GIVE_UP_S)
+        if self.fail is not None:
+            raise self.fail
+        return [len(key) for key, _, _ in items]   # a code per item, told apart
+
+
+def _start(shared: _SharedCalls, keys: list[str], options: tuple[Any, ...] = ("c",)
+           ) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["codes"] = shared.call([(key, 1, None) for key in keys], options)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def test_calls_that_wait_go_together_each_with_its_own_codes() -> None:
+    master = _Master()
+    shared = _SharedCalls(master.send)
+    first, first_out = _start(shared, ["a"])
+    eventually(lambda: len(master.calls), "the first call in flight")
+    waiting_calls = []
+    for keys, options in [(["bb", "ccc"], ("c",)), (["dddd"], ("c",)),
+                          (["bb"], ("c",)),          # a key already in the batch: a call after
+                          (["eeeee"], ("other",))]:  # other options: a call of their own
+        waiting_calls.append(_start(shared, keys, options))
+        eventually(lambda: len(shared._queue), "the caller queued",
+                   done=lambda n: n == len(waiting_calls))  # noqa: B023 - waited for here
+    master.hold.set()
+    for thread, _ in [(first, first_out), *waiting_calls]:
+        thread.join(GIVE_UP_S)
+    assert first_out == {"codes": [1]}
+    assert [out for _, out in waiting_calls] == [
+        {"codes": [2, 3]}, {"codes": [4]}, {"codes": [2]}, {"codes": [5]}]
+    assert master.calls == [["a"], ["bb", "ccc", "dddd"], ["bb"], ["eeeee"]]
+
+
+def test_a_failed_shared_call_fails_every_caller_with_its_type() -> None:
+    master = _Master()
+    master.fail = MasterUnavailable("the master did not answer")
+    shared = _SharedCalls(master.send)
+    first, first_out = _start(shared, ["a"])
+    eventually(lambda: len(master.calls), "the first call in flight")
+    second, second_out = _start(shared, ["b"])
+    eventually(lambda: len(shared._queue), "a caller queued", done=lambda n: n == 1)
+    third, third_out = _start(shared, ["c"])
+    eventually(lambda: len(shared._queue), "two callers queued", done=lambda n: n == 2)
+    master.hold.set()
+    for thread in (first, second, third):
+        thread.join(GIVE_UP_S)
+    assert master.calls == [["a"], ["b", "c"]]
+    for out in (first_out, second_out, third_out):
+        assert type(out["error"]) is MasterUnavailable
+        assert str(out["error"]) == str(master.fail)
+    assert second_out["error"] is not third_out["error"]   # each thread its own
