@@ -484,6 +484,16 @@ def journals(path: Path) -> list[Path]:
     return sorted(path.glob("journal-*.log"))
 
 
+def then_appends_follow(backend: LocalJournalBackend, place: Path, kept: int) -> None:
+    """After a load that kept HISTORY[:kept]: the next record lands after them, and a
+    restart on `place` loads them all."""
+    backend.wait_durable(backend.append(HISTORY[kept]))
+    backend.close()
+    backend = LocalJournalBackend(place)
+    assert backend.load() == LoadedState(None, HISTORY[:kept + 1])
+    backend.close()
+
+
 def test_load_returns_exactly_the_records_after_a_crash(data_dir: Path) -> None:
     backend = LocalJournalBackend(data_dir)
     assert backend.load() == LoadedState(None, [])
@@ -511,11 +521,7 @@ def test_a_torn_tail_is_ignored_with_a_warning_and_appends_continue(
     assert f"store journal {journal}: ignoring a torn or corrupt tail" in caplog.text
     assert "after 6 whole records" in caplog.text
     assert journal.stat().st_size == whole           # cut off, so appends follow whole records
-    backend.wait_durable(backend.append(HISTORY[6]))
-    backend.close()
-    backend = LocalJournalBackend(data_dir)
-    assert backend.load() == LoadedState(None, HISTORY[:7])
-    backend.close()
+    then_appends_follow(backend, data_dir, 6)
 
 
 def test_appends_reach_the_file_at_sync_in_order_one_write_per_group(
@@ -567,11 +573,7 @@ def test_a_crashed_journals_zeros_are_cut_without_a_warning(
     with caplog.at_level(logging.WARNING, logger="hixl.store"):
         assert backend.load() == LoadedState(None, HISTORY[:4])
     assert caplog.text == ""
-    backend.wait_durable(backend.append(HISTORY[4]))
-    backend.close()
-    backend = LocalJournalBackend(copy)
-    assert backend.load() == LoadedState(None, HISTORY[:5])
-    backend.close()
+    then_appends_follow(backend, copy, 4)
 
 
 def test_a_torn_group_in_the_zeros_is_cut_with_a_warning(
@@ -591,11 +593,7 @@ def test_a_torn_group_in_the_zeros_is_cut_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="hixl.store"):
         assert backend.load() == LoadedState(None, HISTORY[:3])
     assert "ignoring a torn or corrupt tail" in caplog.text
-    backend.wait_durable(backend.append(HISTORY[3]))
-    backend.close()
-    backend = LocalJournalBackend(data_dir)
-    assert backend.load() == LoadedState(None, HISTORY[:4])
-    backend.close()
+    then_appends_follow(backend, data_dir, 3)
 
 
 def test_a_failed_write_fails_the_journal_for_good(
