@@ -170,7 +170,7 @@ def test_bench_reports_every_case_and_verified_every_page() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert "hixl bench kv-offload" in proc.stderr and "verified page for page" in proc.stderr
-    assert "vs raw" in proc.stderr
+    assert "vs raw" in proc.stderr and "offload nbi" in proc.stderr
     assert report["bench"] == "kv-offload" and "memmove loop" in report["baseline"]
     cases = report["cases"]
     assert [(c["page_bytes"], c["path"]) for c in cases] == [
@@ -179,11 +179,13 @@ def test_bench_reports_every_case_and_verified_every_page() -> None:
         assert case["route"] == {"mapped": "fabric", "tcp": "tcp"}[case["path"]]
         blocks = (1 << 20) // (3 * case["page_bytes"])
         assert case["blocks"] == blocks and case["block_bytes"] == 3 * case["page_bytes"]
-        assert case["verified"] == {"offload_pages": 2 * blocks * 3,
+        # per run two offloads of new contents (per layer, then every layer in flight)
+        assert case["verified"] == {"offload_pages": 2 * 2 * blocks * 3,
                                     "gather_pages": 2 * 3 * 4 * 3}
         assert case["bad"] == {"offload": [], "gather": []}
         assert case["offload"]["calls"] == 2 * 3 and case["gather"]["calls"] == 2 * 3
-        for phase in ("offload", "gather"):
+        assert case["offload_nbi"]["calls"] == 2
+        for phase in ("offload", "offload_nbi", "gather"):
             figures = case[phase]
             # over TCP, also the raw stream between the same two PEs, in the same run
             raw = {"raw_gbps", "raw_ratio"} if case["path"] == "tcp" else set()

@@ -181,15 +181,25 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
         assert raw is not None
         raw.read(into_bytes, nbytes, 1)
 
+    def in_flight(layers: list[dict[int, Any]]) -> None:
+        """Every layer's batch put with nbi=True, then one quiet: layers in flight at once,
+        as a layer-wise offload that does not wait for each layer runs."""
+        for by_pe in layers:
+            for pe, batch in by_pe.items():
+                ctx.put_batch(batch, pe, nbi=True)
+        ctx.quiet()
+
     timings: dict[str, list[float]] = {name: [] for name in (
         "offload", "offload_base", "run", "run_base", "gather", "gather_base", "run_raw",
-        "gather_raw")}
+        "gather_raw", "run_nbi")}
     bad: dict[str, list[Any]] = {"offload": [], "gather": []}
     into = side.compact(k)
     into_bytes = memoryview(into.reshape(-1))
     layer_bytes, gather_bytes = layout.blocks * layout.page_bytes, into.nbytes
     for run in range(1, runs + 1):
-        side.generation = run  # new page contents: a stale page cannot pass
+        # two offloads per run, each of new page contents (a stale page cannot pass): one
+        # waiting for each layer's batch, then one with every layer in flight
+        side.generation = 2 * run - 1
         for layer in range(layout.layers):
             side.compute_layer(layer)
         batches, base_batches, raw_batches = [], [], []
@@ -210,6 +220,15 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
         verdicts = side.pool_verdicts()
         if any(verdicts.values()):
             bad["offload"].append({"run": run, "bad_pages_by_pe": verdicts})
+        side.generation = 2 * run
+        for layer in range(layout.layers):
+            side.compute_layer(layer)
+        layers = [side.offload_batches(layer) for layer in range(layout.layers)]
+        timings["run_nbi"].append(_timed(lambda: in_flight(layers)))  # noqa: B023
+        side.announce()
+        verdicts = side.pool_verdicts()
+        if any(verdicts.values()):
+            bad["offload"].append({"run": run, "in_flight": True, "bad_pages_by_pe": verdicts})
         for step in range(steps):
             blocks = top_k_blocks((run - 1) * steps + step, layout.blocks, k)
             by_pe = side.gather_batches(blocks, into)
@@ -219,7 +238,7 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 timings["gather_raw"].append(_timed(lambda: raw_read(gather_bytes)))
             into.fill(0)  # untimed: a page the gather missed cannot pass
             timings["gather"].append(_timed(lambda: to_pool(by_pe, ctx.get_batch)))  # noqa: B023
-            wrong = bad_pages(into, blocks, run)
+            wrong = bad_pages(into, blocks, side.generation)
             if wrong:
                 bad["gather"].append({"run": run, "step": step, "pages": wrong[:16]})
     if raw is not None:
@@ -228,10 +247,13 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
     return {"offload": _phase(timings["offload"], timings["offload_base"], timings["run"],
                               timings["run_base"], layout.blocks, layout.block_bytes,
                               layout.layers, timings["run_raw"]),
+            "offload_nbi": _phase(timings["run_nbi"], timings["run_base"], timings["run_nbi"],
+                                  timings["run_base"], layout.blocks, layout.block_bytes,
+                                  layout.layers, timings["run_raw"]),
             "gather": _phase(timings["gather"], timings["gather_base"], timings["gather"],
                              timings["gather_base"], k, layout.block_bytes, layout.layers,
                              timings["gather_raw"]),
-            "verified": {"offload_pages": runs * layout.blocks * layout.layers,
+            "verified": {"offload_pages": 2 * runs * layout.blocks * layout.layers,
                          "gather_pages": runs * steps * k * layout.layers},
             "bad": bad, "route": ctx.route(1)}
 
@@ -249,8 +271,8 @@ def run_pool(job: Any, spec: dict[str, Any]) -> None:
             f.write("{} {}".format(*server.tcp))
         os.replace(partial, spec["raw_address"])  # PE 0 never reads half an address
     try:
-        for run in range(1, spec["runs"] + 1):
-            side.serve(run)
+        for generation in range(1, 2 * spec["runs"] + 1):  # two offloads per run
+            side.serve(generation)
         side.wait_finished(timeout=spec["job_timeout"])
     finally:
         if server is not None:
@@ -357,11 +379,13 @@ def format_kv_report(report: dict[str, Any]) -> str:
            f"top-{config['top_k']})  {report['host']['cpus']} CPUs"]
     rows = []
     for case in report["cases"]:
-        for phase, unit in (("offload", "layer"), ("gather", f"top-{case['top_k']}")):
+        for phase, name, unit in (("offload", "offload", "layer"),
+                                  ("offload_nbi", "offload nbi", "run"),
+                                  ("gather", "gather", f"top-{case['top_k']}")):
             f = case[phase]
-            rows.append([case["case"], f"{case['path']} ({case['route']})", phase,
+            rows.append([case["case"], f"{case['path']} ({case['route']})", name,
                          human_size(case["block_bytes"], approximate=True),
-                         str(case["blocks"] if phase == "offload" else case["top_k"]),
+                         str(case["top_k"] if phase == "gather" else case["blocks"]),
                          f"{unit}", str(f["calls"]), format_rate(f["blocks_per_s"]),
                          format_rate(f["pages_per_s"]),
                          f"{f['gbps']:.3f}", f"{f['p50_ms']:.2f}", f"{f['p99_ms']:.2f}",
@@ -373,6 +397,8 @@ def format_kv_report(report: dict[str, Any]) -> str:
                               "ratio", "raw GB/s", "vs raw"],
                              rows, left=(0, 1, 2, 5)),
             "(offload: one batched PUT per layer for every block, GB/s of the median run; "
+            "offload nbi: the same batches put with nbi=True, every layer in flight, one "
+            "quiet per run, GB/s and p50/p99 of the runs; "
             "gather: one batched GET of the top-k blocks, every layer, GB/s of the median "
             "step; p50/p99 per batch or step; " + report["baseline"] + "; ratio: "
             "hixl / memmove-loop GB/s; raw: over TCP, the same bytes as one stream between the "
