@@ -1391,6 +1391,9 @@ class Engine:
             if peer.fabric is not None and segment.shareable:
                 return _runs([segment], None, local, remote, sizes, range(local.size)), [], \
                     nbytes
+            if peer.fabric is None:  # the socket path's, all of them (a KV layer over TCP)
+                return None, ItemArrays([segment], np.zeros(local.size, np.intp), local,
+                                        remote, sizes, np.arange(local.size)), nbytes
         return self._resolve_each(peer, writing, need, local, remote, sizes, local_registered)
 
     def _resolve_each(self, peer: _Peer, writing: bool, need: int, local: np.ndarray,
