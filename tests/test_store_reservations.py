@@ -11,6 +11,7 @@ guards against a hang.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -471,3 +472,39 @@ def test_a_failed_shared_call_fails_every_caller_with_its_type() -> None:
         assert type(out["error"]) is MasterUnavailable
         assert str(out["error"]) == str(master.fail)
     assert second_out["error"] is not third_out["error"]   # each thread its own
+
+
+def test_threads_putting_while_the_master_hangs_all_fail_in_time_and_store_whole_or_nothing(
+        master: MasterProcess, holder: HolderProcess) -> None:
+    """A master that stops answering (SIGSTOP) while eight threads put through one
+    client: every put returns an error by its deadline (the waiting threads' shared
+    calls fail with it, none hangs), and once the master runs again each key is whole
+    or absent: a commit it applies after the client gave up carries bytes written before
+    it was sent."""
+    store = MooncakeDistributedStore(setup_timeout=GIVE_UP_S, master_timeout=1.0)
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 4 * MiB, "tcp", "",
+                       master.target) == 0, store.last_error
+    values = {f"h{n}": pattern(500 + n, 3000 + n) for n in range(8)}
+    codes: dict[str, int] = {}
+    try:
+        assert store.put("warm", b"w" * 100) == 0            # its reservation, held
+        os.kill(master.pid, signal.SIGSTOP)
+        try:
+            running = [threading.Thread(target=lambda k=key: codes.__setitem__(
+                k, store.put(k, values[k]))) for key in values]
+            for thread in running:
+                thread.start()
+            for thread in running:
+                thread.join(GIVE_UP_S)
+            assert not any(thread.is_alive() for thread in running)
+        finally:
+            os.kill(master.pid, signal.SIGCONT)
+        assert sorted(codes) == sorted(values)
+        assert all(code == ErrorCode.RPC_FAIL for code in codes.values()), codes
+        for key, value in values.items():
+            got = eventually(lambda k=key: store.get(k), f"{key} readable or absent",
+                             done=lambda v: v != b"" or store.last_error_code
+                             == ErrorCode.OBJECT_NOT_FOUND)
+            assert got in (value, b""), key
+    finally:
+        store.close()
