@@ -814,17 +814,27 @@ class _SharedCalls:
 
     def call(self, items: list[tuple[str, int, Any]], options: tuple[Any, ...]) -> list[int]:
         mine = _SharedCall(items, options)
+        interrupted: BaseException | None = None
         with self._state:
             self._queue.append(mine)
             if self._in_flight:
-                while not mine.done and mine.batch is None:
-                    self._state.wait()
+                try:
+                    while not mine.done and mine.batch is None:
+                        self._state.wait()
+                except BaseException as exc:  # an interrupt (KeyboardInterrupt, ...)
+                    if mine.batch is None:  # not ours to send: give up waiting
+                        if not mine.taken:
+                            self._queue.remove(mine)  # never sent: nothing of it goes
+                        raise
+                    interrupted = exc  # ours to send: the threads in it wait on it
             else:
                 self._in_flight = True
                 self._take_locked()
         leading = mine.batch is not None
         if leading:
             self._run(mine.batch)
+        if interrupted is not None:
+            raise interrupted
         if mine.error is not None:
             raise mine.error if leading else _same_error(mine.error)
         return mine.codes
@@ -846,6 +856,8 @@ class _SharedCalls:
         first.batch = batch
 
     def _run(self, batch: list[_SharedCall]) -> None:
+        """Send `batch`, then hand the next one on, whatever happened (else every queued
+        thread would wait for good)."""
         try:
             codes = self._send([item for call in batch for item in call.items],
                                batch[0].options)
@@ -855,14 +867,15 @@ class _SharedCalls:
         except BaseException as exc:  # every caller of the batch gets it
             for call in batch:
                 call.error = exc
-        with self._state:
-            for call in batch:
-                call.done = True
-            if self._queue:
-                self._take_locked()
-            else:
-                self._in_flight = False
-            self._state.notify_all()
+        finally:
+            with self._state:
+                for call in batch:
+                    call.done = True
+                if self._queue:
+                    self._take_locked()
+                else:
+                    self._in_flight = False
+                self._state.notify_all()
 
 
 def _same_error(error: BaseException) -> BaseException:

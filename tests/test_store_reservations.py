@@ -10,6 +10,7 @@ guards against a hang.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -403,16 +404,18 @@ def test_threads_putting_through_one_client_get_their_own_results(
 
 class _Master:
     """What _SharedCalls sends through, standing in for the Commit call: records each
-    call's items and, while `hold` is clear, keeps the caller in it."""
+    call's items and, while `hold` (or call number N's own `holds[N]`) is clear, keeps
+    the caller in it."""
 
     def __init__(self) -> None:
         self.calls: list[list[tuple[str, int, Any]]] = []
         self.hold = threading.Event()
+        self.holds: dict[int, threading.Event] = {}
         self.fail: BaseException | None = None
 
     def send(self, items: list[tuple[str, int, Any]], options: tuple[Any, ...]) -> list[int]:
         self.calls.append([item[0] for item in items])
-        assert self.hold.wait(GIVE_UP_S)
+        assert self.holds.get(len(self.calls) - 1, self.hold).wait(GIVE_UP_S)
         if self.fail is not None:
             raise self.fail
         return [len(key) for key, _, _ in items]   # a code per item, told apart
@@ -508,3 +511,53 @@ def test_threads_putting_while_the_master_hangs_all_fail_in_time_and_store_whole
             assert got in (value, b""), key
     finally:
         store.close()
+
+
+def _interrupt(thread: threading.Thread) -> None:
+    """KeyboardInterrupt in `thread` at its next bytecode, as a signal reaches the main
+    thread: one blocked waiting on a condition gets it as it wakes."""
+    assert thread.ident is not None
+    assert ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt)) == 1
+
+
+def test_an_interrupted_caller_chosen_to_send_still_sends_for_the_others() -> None:
+    master = _Master()
+    shared = _SharedCalls(master.send)
+    first, first_out = _start(shared, ["a"])
+    eventually(lambda: len(master.calls), "the first call in flight")
+    chosen, chosen_out = _start(shared, ["b"])     # first in the queue: sends the next
+    eventually(lambda: len(shared._queue), "a caller queued", done=lambda n: n == 1)
+    other, other_out = _start(shared, ["c"])       # goes in the same call
+    eventually(lambda: len(shared._queue), "two callers queued", done=lambda n: n == 2)
+    _interrupt(chosen)                             # raised as it wakes, chosen
+    master.hold.set()
+    for thread in (first, chosen, other):
+        thread.join(GIVE_UP_S)
+    assert master.calls == [["a"], ["b", "c"]]
+    assert type(chosen_out["error"]) is KeyboardInterrupt and other_out == {"codes": [1]}
+    assert not shared._in_flight and shared._queue == []
+    after, after_out = _start(shared, ["d"])         # and the next caller is served
+    after.join(GIVE_UP_S)
+    assert after_out == {"codes": [1]} and master.calls[-1] == ["d"]
+
+
+def test_an_interrupted_caller_waiting_its_turn_sends_nothing() -> None:
+    master = _Master()
+    master.holds[0], master.holds[1] = threading.Event(), threading.Event()
+    shared = _SharedCalls(master.send)
+    first, _ = _start(shared, ["a"])
+    eventually(lambda: len(master.calls), "the first call in flight")
+    second, second_out = _start(shared, ["b"])
+    eventually(lambda: len(shared._queue), "a caller queued", done=lambda n: n == 1)
+    gone, gone_out = _start(shared, ["x"], ("other",))    # not in the next call
+    eventually(lambda: len(shared._queue), "two callers queued", done=lambda n: n == 2)
+    _interrupt(gone)
+    master.holds[0].set()                          # the next call goes, without "x"
+    gone.join(GIVE_UP_S)
+    assert type(gone_out["error"]) is KeyboardInterrupt
+    master.holds[1].set()
+    for thread in (first, second):
+        thread.join(GIVE_UP_S)
+    assert master.calls == [["a"], ["b"]] and second_out == {"codes": [1]}
+    assert not shared._in_flight and shared._queue == []
