@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import waiting
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fuzz_data_server import recv_exact_or_eof as recv_exact
@@ -531,18 +532,25 @@ def test_deregistering_under_ops_never_touches_unmapped_memory(served: Served, k
     threads = [threading.Thread(target=hammer, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
+    moved = 0
     try:
+        # the churn starts once ops flow (threads connecting could otherwise miss all of it)
+        waiting.wait_until(lambda: sum(done) >= 3 or failures, "ops under way", timeout=30)
         for i in range(150):
             slot = rng.randrange(len(current))
             old = current[slot]
             current[slot] = agent.allocate(size, Perm.RW, name=f"n{i}")
             agent.deregister(old.segment_id)
+        # ... and once it ends, ops on the segments that stay succeed again
+        moved = done[0]
+        waiting.wait_until(lambda: done[0] > moved or failures, "ops succeed after the churn",
+                           timeout=30)
     finally:
         stop.set()
         for thread in threads:
             thread.join(60)
     assert not failures, failures
-    assert done[0] > 0
+    assert done[0] > moved
     assert (scattered[0] > 0) == (shape == "vector")
     served.server.stop()  # every connection thread has ended: no view pins anything now
     agent._retry_deferred()
