@@ -189,6 +189,19 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 ctx.put_batch(batch, pe, nbi=True)
         ctx.quiet()
 
+    def new_contents(generation: int) -> None:
+        """Every page of the cache recomputed for `generation`: a stale page cannot pass."""
+        side.generation = generation
+        for layer in range(layout.layers):
+            side.compute_layer(layer)
+
+    def check_offloaded(run: int, **how: Any) -> None:
+        """Tell the pool PEs this generation is offloaded; note the bad pages they find."""
+        side.announce()
+        verdicts = side.pool_verdicts()
+        if any(verdicts.values()):
+            bad["offload"].append({"run": run, **how, "bad_pages_by_pe": verdicts})
+
     timings: dict[str, list[float]] = {name: [] for name in (
         "offload", "offload_base", "run", "run_base", "gather", "gather_base", "run_raw",
         "gather_raw", "run_nbi")}
@@ -197,11 +210,9 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
     into_bytes = memoryview(into.reshape(-1))
     layer_bytes, gather_bytes = layout.blocks * layout.page_bytes, into.nbytes
     for run in range(1, runs + 1):
-        # two offloads per run, each of new page contents (a stale page cannot pass): one
-        # waiting for each layer's batch, then one with every layer in flight
-        side.generation = 2 * run - 1
-        for layer in range(layout.layers):
-            side.compute_layer(layer)
+        # two offloads per run, each of new page contents: one waiting for each layer's
+        # batch, then one with every layer in flight
+        new_contents(2 * run - 1)
         batches, base_batches, raw_batches = [], [], []
         for layer in range(layout.layers):
             by_pe = side.offload_batches(layer)
@@ -216,19 +227,11 @@ def run_inference(job: Any, spec: dict[str, Any]) -> dict[str, Any]:
         timings["run_base"].append(sum(base_batches))
         if raw is not None:
             timings["run_raw"].append(sum(raw_batches))
-        side.announce()
-        verdicts = side.pool_verdicts()
-        if any(verdicts.values()):
-            bad["offload"].append({"run": run, "bad_pages_by_pe": verdicts})
-        side.generation = 2 * run
-        for layer in range(layout.layers):
-            side.compute_layer(layer)
+        check_offloaded(run)
+        new_contents(2 * run)
         layers = [side.offload_batches(layer) for layer in range(layout.layers)]
         timings["run_nbi"].append(_timed(lambda: in_flight(layers)))  # noqa: B023
-        side.announce()
-        verdicts = side.pool_verdicts()
-        if any(verdicts.values()):
-            bad["offload"].append({"run": run, "in_flight": True, "bad_pages_by_pe": verdicts})
+        check_offloaded(run, in_flight=True)
         for step in range(steps):
             blocks = top_k_blocks((run - 1) * steps + step, layout.blocks, k)
             by_pe = side.gather_batches(blocks, into)
