@@ -779,12 +779,12 @@ def _placement_key(config: ReplicaConfig) -> tuple[Any, ...]:
 class _SharedCall:
     """One caller's items in a `_SharedCalls` queue, and what came back for them."""
 
-    __slots__ = ("items", "keys", "options", "taken", "batch", "done", "codes", "error")
+    __slots__ = ("items", "keys", "options", "batch", "done", "codes", "error")
 
     def __init__(self, items: list[tuple[str, int, Any]], options: tuple[Any, ...]) -> None:
         self.items, self.options = items, options
         self.keys = {item[0] for item in items}
-        self.taken = self.done = False
+        self.done = False
         self.batch: list[_SharedCall] | None = None  # set: this caller sends that batch
         self.codes: list[int] = []
         self.error: BaseException | None = None
@@ -823,8 +823,8 @@ class _SharedCalls:
                         self._state.wait()
                 except BaseException as exc:  # an interrupt (KeyboardInterrupt, ...)
                     if mine.batch is None:  # not ours to send: give up waiting
-                        if not mine.taken:
-                            self._queue.remove(mine)  # never sent: nothing of it goes
+                        if mine in self._queue:  # not taken: nothing of it is sent
+                            self._queue.remove(mine)
                         raise
                     interrupted = exc  # ours to send: the threads in it wait on it
             else:
@@ -850,9 +850,7 @@ class _SharedCalls:
             batch.append(other)
             keys |= other.keys
             count += len(other.items)
-        for call in batch:
-            call.taken = True
-        self._queue = [call for call in self._queue if not call.taken]
+        self._queue = [call for call in self._queue if call not in batch]
         first.batch = batch
 
     def _run(self, batch: list[_SharedCall]) -> None:
