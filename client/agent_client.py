@@ -6,7 +6,8 @@ PeerUnavailable / TransferTimeout when the agent is gone or silent.
 
 `FdClient` keeps one SOCK_SEQPACKET connection to the agent's fd socket: it fetches
 segment fds to map (fabric path), deposits fds for registration, and answers `alive()`
-in about a microsecond (a zero-timeout poll for hang-up), cheap enough to call per transfer.
+(a zero-timeout poll for hang-up). A mapped transfer does not ask it: it reads the agent's
+life word instead, a load (hixl.segment_states).
 """
 
 from __future__ import annotations
@@ -294,7 +295,6 @@ class FdClient:
             raise PeerUnavailable(f"agent fd socket {path}: connect failed: {exc}") from None
         self._sock: socket.socket | None = sock
         # alive() asks the kernel whether the agent hung up: one zero-timeout poll()
-        # (~1 µs) per fabric transfer, so a process that is dead is always seen dead.
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN | select.POLLRDHUP)
 

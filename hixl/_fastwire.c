@@ -35,7 +35,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
-#include <poll.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -508,20 +507,16 @@ static PyObject *copy_stream(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The owner's liveness word at `word` still reads `expect` (the segment is still served)
- * and the owner agent's unix socket `fd` has not hung up (poll, then a MSG_PEEK for
- * end-of-file if it is readable): the checks a READ transfer makes after its copy. */
-static int still_served(uint64_t word, uint64_t expect, int fd) {
-    if (fd < 0 || *(volatile const uint64_t *)(uintptr_t)word != expect) return 0;
-    struct pollfd p = {fd, POLLIN | POLLRDHUP, 0};
-    int n = poll(&p, 1, 0);
-    if (n < 0 || (n > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)))) return 0;
-    if (n > 0) {  /* readable: data (alive) or end-of-file (gone) */
-        char byte;
-        ssize_t got = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-        return got > 0 || (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR));
-    }
-    return 1;
+/* The segment's liveness word at `word` still reads `expect` (the segment is still served)
+ * and the owner agent's life word at `life` still names a live thread (a robust futex the
+ * kernel marks FUTEX_OWNER_DIED when the agent dies; hixl.segment_states): the checks a
+ * READ transfer makes after its copy. Plain loads, after an acquire fence that keeps them
+ * behind the copy's loads (a seqlock reader's second check). */
+static int still_served(uint64_t word, uint64_t expect, uint64_t life) {
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (*(volatile const uint64_t *)(uintptr_t)word != expect) return 0;
+    uint32_t owner = *(volatile const uint32_t *)(uintptr_t)life;
+    return (owner & 0x3FFFFFFFu) != 0 && (owner & 0x40000000u) == 0;
 }
 
 /* n tuples of `width` unsigned ints from a list or tuple of tuples, into out[n * width]
@@ -563,7 +558,7 @@ fail:
 }
 
 /* read_checked(moves, checks): memmove each (dst, src, length) of `moves`, mapped peer
- * ranges into this process's memory, then each (word, expect, fd) of `checks`
+ * ranges into this process's memory, then each (word, expect, life) of `checks`
  * (still_served), in one call with the GIL released. True when every check holds. For
  * the store's repeated get of cached keys (hixl.transports.fabric.MappedRange, read_all),
  * where Python calls around a 64 KiB memmove cost half as much as the copy. A negative
@@ -591,7 +586,7 @@ static PyObject *read_checked(PyObject *self, PyObject *args) {
         memmove((void *)(uintptr_t)moves[i * 3], (const void *)(uintptr_t)moves[i * 3 + 1],
                 (size_t)moves[i * 3 + 2]);
     for (Py_ssize_t i = 0; i < m && served; i++)
-        served = still_served(checks[i * 3], checks[i * 3 + 1], (int)(int64_t)checks[i * 3 + 2]);
+        served = still_served(checks[i * 3], checks[i * 3 + 1], checks[i * 3 + 2]);
     Py_END_ALLOW_THREADS
     PyMem_Free(moves);
     PyMem_Free(checks);
@@ -766,7 +761,7 @@ static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS, "memmove per (dst, src, length) of int64 arrays."},
     {"copy_stream", copy_stream, METH_VARARGS, "One move with streaming (non-temporal) stores."},
     {"recv_scatter", recv_scatter, METH_VARARGS, "Receive into many ranges of one buffer."},
-    {"read_checked", read_checked, METH_VARARGS, "memmoves, then liveness words and sockets."},
+    {"read_checked", read_checked, METH_VARARGS, "memmoves, then segment and life words."},
     {"header", header, METH_VARARGS, "The 48-byte header wire.py packs."},
     {"unpack", unpack, METH_O, "The fields of a 48-byte header."},
     {NULL, NULL, 0, NULL}};

@@ -250,8 +250,12 @@ def test_sigterm_exits_cleanly_and_removes_sockets(agent_process: StartAgent) ->
     with AgentClient(engine) as client:
         client.allocate(PAGE_SIZE)
     assert os.path.exists(info.fd_socket) and os.path.exists(info.data_unix)
+    with FdClient(info.fd_socket, timeout=3) as fdc:
+        states = fdc.states()
+    assert states.owner_alive()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0
+    assert not states.owner_alive()  # gone after a clean shutdown too
     assert not os.path.exists(info.fd_socket) and not os.path.exists(info.data_unix)
     assert os.listdir(agent.runtime_dir) == []
     assert "Traceback" not in agent.log()
@@ -263,6 +267,8 @@ def test_killed_agent_gives_typed_errors(agent_process: StartAgent) -> None:
     seg = client.allocate(PAGE_SIZE)
     fdc = FdClient(info.fd_socket, timeout=3)
     assert fdc.alive()
+    states = fdc.states()
+    assert states.owner_alive()
     events: queue.Queue = queue.Queue()
 
     def pump() -> None:
@@ -276,6 +282,7 @@ def test_killed_agent_gives_typed_errors(agent_process: StartAgent) -> None:
     assert events.get(timeout=10)[0] == "SNAPSHOT"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
+    assert not states.owner_alive()  # marked by the kernel before the agent was reaped
     assert isinstance(events.get(timeout=20), PeerUnavailable)  # the stream ends, typed
     assert not fdc.alive()
     with pytest.raises(PeerUnavailable):

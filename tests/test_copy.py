@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from hixl.memory import (
     new_bytes,
     split_moves,
 )
+from hixl.segment_states import FUTEX_OWNER_DIED
 
 
 def _addr(array: np.ndarray) -> int:
@@ -235,10 +235,10 @@ def test_copy_stream_refuses_a_negative_length() -> None:
         copy_stream(_addr(dst), _addr(dst), -1)  # type: ignore[operator]
 
 
-def test_read_checked_copies_then_reports_the_owners_words_and_sockets() -> None:
+def test_read_checked_copies_then_reports_the_segment_and_life_words() -> None:
     """hixl._fastwire.read_checked (the store's repeated cached gets): every move's bytes
     land; True only while each liveness word still reads its expected id and each owner's
-    socket has not hung up (data waiting on it is not a hang-up)."""
+    life word names a thread the kernel has not marked dead."""
     read_checked = getattr(memory._FASTWIRE, "read_checked", None)
     if read_checked is None:
         pytest.skip("hixl._fastwire is not built here (no compiler) or HIXL_FASTWIRE=0")
@@ -246,31 +246,28 @@ def test_read_checked_copies_then_reports_the_owners_words_and_sockets() -> None
     words = np.zeros(4, np.uint64)
     words[1], words[2] = 2**63 + 5, 77          # a segment id above 2^63 reads unsigned
     word = _addr(words) + 2 * 8
-    ours, owners = socket.socketpair()
-    try:
-        def read(expect: int, *more: tuple[int, int, int]) -> tuple[bool, bool]:
-            dst = np.zeros(2 * src.nbytes, np.uint8)
-            half = src.nbytes
-            ok = read_checked([(_addr(dst), _addr(src), half),
-                               (_addr(dst) + half, _addr(src), half)],
-                              [(word, expect, ours.fileno()), *more])
-            return ok, bool(np.array_equal(dst[:half], src) and np.array_equal(dst[half:], src))
+    lives = np.array([4242, 0, FUTEX_OWNER_DIED, FUTEX_OWNER_DIED | 4242], np.uint32)
+    life, never, died, died_owned = (_addr(lives) + 4 * i for i in range(4))
 
-        assert read(77) == (True, True)
-        assert read(78) == (False, True)        # the segment is not (or no longer) served
-        assert read(77, (word - 8, 2**63 + 5, ours.fileno())) == (True, True)
-        assert read(77, (word - 8, 5, ours.fileno())) == (False, True)   # the second one
-        assert read(77, (word, 77, -1)) == (False, True)                 # no socket
-        owners.send(b"x")                        # readable, but the owner is there
-        assert read(77) == (True, True)
-        owners.close()                           # the owner died: its end closed
-        assert read(77) == (False, True)
-        dst = np.zeros(8, np.uint8)
-        with pytest.raises(ValueError, match=r"moves\[1\] has a negative length"):
-            read_checked([(_addr(dst), _addr(src), 8), (_addr(src), _addr(src), -1)], [])
-        assert not dst.any()                     # refused before any byte moved
-        with pytest.raises(TypeError, match=r"checks\[0\] is not a 3-tuple"):
-            read_checked([], [(word, 77)])
-    finally:
-        ours.close()
-        owners.close()
+    def read(expect: int, *more: tuple[int, int, int], owner: int = life) -> tuple[bool, bool]:
+        dst = np.zeros(2 * src.nbytes, np.uint8)
+        half = src.nbytes
+        ok = read_checked([(_addr(dst), _addr(src), half),
+                           (_addr(dst) + half, _addr(src), half)],
+                          [(word, expect, owner), *more])
+        return ok, bool(np.array_equal(dst[:half], src) and np.array_equal(dst[half:], src))
+
+    assert read(77) == (True, True)
+    assert read(78) == (False, True)        # the segment is not (or no longer) served
+    assert read(77, (word - 8, 2**63 + 5, life)) == (True, True)
+    assert read(77, (word - 8, 5, life)) == (False, True)       # the second one
+    assert read(77, (word - 8, 2**63 + 5, died)) == (False, True)  # the second one's owner
+    assert read(77, owner=never) == (False, True)      # closed, or never owned
+    assert read(77, owner=died) == (False, True)       # the kernel marked its death
+    assert read(77, owner=died_owned) == (False, True)
+    dst = np.zeros(8, np.uint8)
+    with pytest.raises(ValueError, match=r"moves\[1\] has a negative length"):
+        read_checked([(_addr(dst), _addr(src), 8), (_addr(src), _addr(src), -1)], [])
+    assert not dst.any()                     # refused before any byte moved
+    with pytest.raises(TypeError, match=r"checks\[0\] is not a 3-tuple"):
+        read_checked([], [(word, 77)])

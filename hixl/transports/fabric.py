@@ -15,8 +15,9 @@ streaming stores: its bytes go to another process's memory, which this one does 
 next (hixl.memory). Around the copies it reads each segment's liveness
 word (hixl.segment_states): a segment its owner deregistered, before or during the copy,
 fails the transfer with ParamInvalid instead of taking bytes into withdrawn memory. After
-the copies it checks, for ~1 µs, that the owner agent is still alive: a write into memory
-whose owner died is reported FAILED, not silently lost.
+the copies it reads the owner agent's life word (a robust futex the kernel marks when the
+agent dies, hixl.segment_states), a load and no system call: a write into memory whose
+owner died is reported FAILED, not silently lost.
 
 A caller that reads one range again and again (the store's repeated get of a cached
 key) may hold it as a `MappedRange`: each read is then one memmove and the same checks
@@ -91,20 +92,20 @@ class MappedRange:
         return check is not None and _read_checked(((dst, self.addr, self.length),), (check,))
 
     def _check(self) -> tuple[int, int, int] | None:
-        """(liveness word, the value it must read, the owner's socket) for read_checked;
-        None when its transport no longer maps the segment this way (closed, remapped,
-        withdrawn)."""
+        """(liveness word, the value it must read, the owner's life word) for
+        read_checked; None when its transport no longer maps the segment this way (closed,
+        remapped, withdrawn)."""
         mapped, transport = self._mapped, self._transport
         segment_id = mapped.segment.segment_id
         if transport._mappings.get(segment_id) is not mapped:
             return None
-        return (self._word, segment_id, transport._fd_client.fileno())
+        return (self._word, segment_id, transport._states.address)  # type: ignore[union-attr]
 
 
 def read_all(ranges: Sequence[MappedRange], dsts: Sequence[int]) -> bool:
     """`read_into` of many ranges into `dsts` at once: each mapping's currency checked
     first (`_check`), then, in one C call (`_fastwire.read_checked`), the copies and each distinct
-    segment's liveness word and owner's socket. False as `read_into` is."""
+    segment's liveness word and owner's life word. False as `read_into` is."""
     moves = []
     checks: dict[int, tuple[int, int, int]] = {}  # liveness word -> its check
     for source, dst in zip(ranges, dsts, strict=True):
@@ -117,11 +118,11 @@ def read_all(ranges: Sequence[MappedRange], dsts: Sequence[int]) -> bool:
         return _read_checked(moves, list(checks.values()))
     copy_moves(moves)
     for source in ranges:
-        if not source._transport._states.holds(source._mapped.slot,
-                                               source._mapped.segment.segment_id):
+        states = source._transport._states
+        if not states.holds(source._mapped.slot, source._mapped.segment.segment_id) \
+                or not states.owner_alive():
             return False
-    owners = {id(source._transport): source._transport for source in ranges}
-    return all(transport._fd_client.alive() for transport in owners.values())
+    return True
 
 
 _read_checked = getattr(load_fastwire(), "read_checked", None)
@@ -144,7 +145,7 @@ class FabricTransport(Transport):
     """Direct load/store into a same-domain peer's segments through shared mappings.
 
     `fd_client` is the owner agent's fd socket (hixl.client.agent_client.FdClient):
-    `grant` (an fd to map), `states` (the liveness words) and `alive` (hang-up check).
+    `grant` (an fd to map) and `states` (the liveness words, the owner's life word first).
     """
 
     name = "fabric"
@@ -289,7 +290,7 @@ class FabricTransport(Transport):
                 error = self._gone(hit.segment, "during")
                 error.failed = failed()
                 raise error
-        if not self._fd_client.alive():
+        if not states.owner_alive() or self._fd_client.fileno() < 0:  # type: ignore[union-attr]
             if self._closed:  # our own disconnect closed the fd socket (after setting this)
                 raise NotConnected(
                     f"disconnected from {self._peer} during the transfer; whether every "
