@@ -29,16 +29,21 @@ def view_of(pid: int, fd: int, capacity: int) -> StateView:
         os.close(handle)
 
 
+def life_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name == "hixl-life-word"}
+
+
 def test_life_word_names_a_live_thread_until_close() -> None:
+    before = life_threads()  # other tests' agents in this process hold theirs
     states = SegmentStates(capacity=64)
     view = view_of(os.getpid(), states.fd, 64)
     slot = states.claim(11)
     assert slot != 0 and view.holds(slot, 11)
     assert view.owner_alive()
-    assert any(thread.name == "hixl-life-word" for thread in threading.enumerate())
+    (ours,) = life_threads() - before
     states.close()
     assert not view.owner_alive() and not view.holds(slot, 11)
-    assert not any(thread.name == "hixl-life-word" for thread in threading.enumerate())
+    assert not ours.is_alive()
 
 
 def test_a_process_that_exits_without_closing_is_marked_dead_by_the_kernel() -> None:
