@@ -111,13 +111,16 @@ class _LifeWord:
                             "see this agent die") from self._error
 
     def _robust_list(self, call: int, *args: object) -> None:
-        if self._libc.syscall(call, *args) != 0:
+        """syscall(call, *args), every argument passed at its C width (ctypes would pass a
+        bare int as a 32-bit int to the variadic `syscall`)."""
+        if self._libc.syscall(ctypes.c_long(call), *args) != 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
     def _hold(self) -> None:
         theirs, size = ctypes.c_void_p(), ctypes.c_size_t()
         try:
-            self._robust_list(self._get_call, 0, ctypes.byref(theirs), ctypes.byref(size))
+            self._robust_list(self._get_call, ctypes.c_long(0), ctypes.byref(theirs),
+                              ctypes.byref(size))
             self._robust_list(self._set_call, ctypes.byref(self._head),
                               ctypes.c_size_t(_HEAD_SIZE))
         except OSError as exc:
@@ -128,7 +131,8 @@ class _LifeWord:
         self._started.set()
         self._stop.wait()
         self._word.value = 0  # a clean stop is no death
-        self._robust_list(self._set_call, theirs, size)
+        if theirs.value:  # the C library's list back (with none, ours stays: it is harmless)
+            self._robust_list(self._set_call, theirs, size)
 
     def stop(self) -> None:
         """Clear the word (peers read the agent gone) and end the thread."""
