@@ -121,7 +121,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -667,7 +667,7 @@ class ShmemContext:
         offset, length), or those three as arrays); returns when all bytes moved."""
         engine, base, _ = self._peers[pe]
         try:
-            if isinstance(moves, tuple):
+            if isinstance(moves, _ArrayMoves):
                 self._engine._transfer_ops(engine, op, _op_arrays(moves, base), timeout)
             else:
                 self._engine.transfer(engine, op, self._descs(pe, moves), timeout)
@@ -679,7 +679,7 @@ class ShmemContext:
         `quiet`."""
         engine, base, _ = self._peers[pe]
         try:
-            if isinstance(moves, tuple):
+            if isinstance(moves, _ArrayMoves):
                 request = self._engine._transfer_ops(engine, op, _op_arrays(moves, base),
                                                      timeout, wait=False)
             else:
@@ -794,7 +794,7 @@ class ShmemContext:
             wait = self._timeout(timeout)
             if isinstance(pairs, ArrayBatch):
                 moves: Any = self._array_moves(what, pairs, pe, writing)
-                empty = not moves[0].size
+                empty = not moves.sizes.size
             else:
                 moves = self._batch_moves(what, pairs, pe, writing)
                 empty = not moves
@@ -814,19 +814,19 @@ class ShmemContext:
     def _copy_here(self, moves: Any, writing: bool) -> None:
         """A batch to this PE: local copies (list moves, or the arrays of an ArrayBatch)."""
         heap = self._heap_addr
-        if isinstance(moves, tuple):
-            local, offsets, sizes = moves
-            heap_at = offsets + heap
+        if isinstance(moves, _ArrayMoves):
+            local, sizes = moves.local, moves.sizes
+            heap_at = moves.offsets + heap
             copy_arrays(heap_at, local, sizes) if writing else copy_arrays(local, heap_at, sizes)
             return
         copy_moves([(heap + offset, local, n) if writing else (local, heap + offset, n)
                     for local, offset, n in moves])
 
     def _array_moves(self, what: str, batch: ArrayBatch, pe: int, writing: bool
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(local addresses, symmetric offsets, lengths) of an ArrayBatch's non-empty
-        moves, every one checked first with a few array operations: one registration of
-        the local buffer, one bounds check per side. A bad move raises naming its index."""
+                     ) -> _ArrayMoves:
+        """An ArrayBatch's non-empty moves and their spans, every one checked first with a
+        few array operations: one registration of the local buffer, one bounds check per
+        side. A bad move raises naming its index."""
         from hixl.client.engine import op_array
 
         remote, local = (batch.dst, batch.src) if writing else (batch.src, batch.dst)
@@ -840,32 +840,29 @@ class ShmemContext:
                                 f"{local_name}_offsets")
             lengths = batch.lengths
             if isinstance(lengths, int | np.integer) and not isinstance(lengths, bool):
-                sizes = np.full(remote_at.size, int(lengths), np.int64)
+                smallest = largest = int(lengths)  # one length: no reductions over copies
+                sizes = np.full(remote_at.size, smallest, np.int64)
             else:
                 sizes = op_array(lengths, "lengths")
+                smallest, largest = (int(sizes.min()), int(sizes.max())) if sizes.size \
+                    else (0, 0)
             if not remote_at.size == local_at.size == sizes.size:
                 raise ParamInvalid(f"offset and length arrays differ in length: "
                                    f"{remote_at.size} {remote_name}_offsets, {local_at.size} "
                                    f"{local_name}_offsets, {sizes.size} lengths")
-            smallest, largest = (int(sizes.min()), int(sizes.max())) if sizes.size else (0, 0)
-            for at, name, limit in ((remote_at, remote_name, room), (local_at, local_name, nbytes)):
-                if not at.size or smallest >= 0 and int(at.min()) >= 0 and \
-                        int(at.max()) + largest <= limit:
-                    continue  # the usual batch: its bounds are inside
-                bad = (sizes < 0) | (at < 0) | (at > limit - np.maximum(sizes, 0))
-                if bad.any():
-                    index = int(np.argmax(bad))
-                    start, size = int(at[index]), int(sizes[index])
-                    cls = ParamInvalid if size < 0 or start < 0 else OutOfRange
-                    raise cls(f"move {index}: {name} range [{start}, +{size}) is not inside its "
-                              f"{limit}-byte {name}", failed=[pe])
+            spans = [_span(at, sizes, smallest, largest, name, limit, pe)
+                     for at, name, limit in ((remote_at, remote_name, room),
+                                             (local_at, local_name, nbytes))]
         except HixlError as exc:
             raise type(exc)(f"{what}: {exc.args[0]} (nothing moved)",
                             failed=[pe]) from None
         if smallest <= 0:
             keep = sizes > 0
             local_at, remote_at, sizes = local_at[keep], remote_at[keep], sizes[keep]
-        return local_at + addr, remote_at + offset, sizes
+        (remote_lo, remote_hi), (local_lo, local_hi) = spans
+        return _ArrayMoves(local_at + addr, remote_at + offset, sizes,
+                           (addr + local_lo, addr + local_hi),
+                           (offset + remote_lo, offset + remote_hi))
 
     def _batch_moves(self, what: str, pairs: Any, pe: int,
                      writing: bool) -> list[tuple[int, int, int]]:
@@ -1280,16 +1277,45 @@ class ShmemContext:
         return self._finalized
 
 
-def _op_arrays(moves: tuple[np.ndarray, np.ndarray, np.ndarray], base: int) -> Any:
-    """An ArrayBatch's checked moves (local address, symmetric offset, length; every
-    length positive, every range inside its object) as the engine's OpArrays toward a
-    heap at `base`, with their bounds (the engine checks them against its tables)."""
+class _ArrayMoves(NamedTuple):
+    """An ArrayBatch's checked moves (every length positive, every range inside its
+    object), with the spans `_array_moves` found checking them: each side's [lowest
+    start, an end no move passes), inside its object."""
+
+    local: np.ndarray  # local addresses
+    offsets: np.ndarray  # symmetric offsets
+    sizes: np.ndarray
+    local_span: tuple[int, int]
+    offset_span: tuple[int, int]
+
+
+def _span(at: np.ndarray, sizes: np.ndarray, smallest: int, largest: int, name: str,
+          limit: int, pe: int) -> tuple[int, int]:
+    """[lowest start, an end no move passes) of one side's moves (starts `at`), checked
+    inside its `limit`-byte object; a move outside raises naming its index. The usual
+    batch costs two reductions: the lowest start, and the highest plus the longest move."""
+    if not at.size:
+        return 0, 0
+    low, high = int(at.min()), int(at.max()) + largest
+    if smallest >= 0 and low >= 0 and high <= limit:
+        return low, high
+    bad = (sizes < 0) | (at < 0) | (at > limit - np.maximum(sizes, 0))
+    if bad.any():
+        index = int(np.argmax(bad))
+        start, size = int(at[index]), int(sizes[index])
+        cls = ParamInvalid if size < 0 or start < 0 else OutOfRange
+        raise cls(f"move {index}: {name} range [{start}, +{size}) is not inside its "
+                  f"{limit}-byte {name}", failed=[pe])
+    return low, int((at + sizes).max())  # exact: the highest start + the longest passes
+
+
+def _op_arrays(moves: _ArrayMoves, base: int) -> Any:
+    """An ArrayBatch's checked moves as the engine's OpArrays toward a heap at `base`,
+    with their spans as bounds (the engine checks them against its tables)."""
     from hixl.client.engine import OpArrays
 
-    local, offsets, sizes = moves
-    largest = int(sizes.max())
-    return OpArrays(local, offsets + base, sizes, int(local.min()), int(local.max()) + largest,
-                    base + int(offsets.min()), base + int(offsets.max()) + largest)
+    return OpArrays(moves.local, moves.offsets + base, moves.sizes, *moves.local_span,
+                    base + moves.offset_span[0], base + moves.offset_span[1])
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

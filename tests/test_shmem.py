@@ -185,6 +185,7 @@ def test_array_batches_move_offset_arrays_per_call_and_check_all_first(
     for result in [proc.result() for proc in pes("array_batch", n_pes, local_paths=local_paths)]:
         for key in ("put_bad", "put_nbi_bad", "get_bad"):
             assert result[key] == [], (result["pe"], key, result[key])
+        assert result["edge_bad"] is False, result["pe"]
         expect(result, "unequal", "ParamInvalid", "put_batch", "differ in length",
                "40 dst_offsets, 39 src_offsets", "nothing moved")
         expect(result, "float", "ParamInvalid", "put_batch", "lengths must be an integer "

@@ -173,10 +173,11 @@ def _merge(positions: list[int], requests: list[tuple[int, int, int, int]],
     return firsts, lasts, merged, pieces
 
 
-def _vector_spans(breaks: np.ndarray, sizes: np.ndarray, limit: int) -> list[tuple[int, int]]:
+def _vector_spans(breaks: np.ndarray, sizes: np.ndarray, limit: int,
+                  max_ranges: int = wire.MAX_VECTOR_RANGES) -> list[tuple[int, int]]:
     """The ranges [start, stop) of consecutive entries that go as one vector request: a
-    new one where `breaks` is set (another segment or epoch), after MAX_VECTOR_RANGES
-    entries and before `limit` bytes would be passed (an entry over it alone)."""
+    new one where `breaks` is set (another segment or epoch), after `max_ranges` entries
+    and before `limit` bytes would be passed (an entry over it alone)."""
     count = len(sizes)
     ends = np.cumsum(sizes)
     changes = (np.flatnonzero(breaks[1:]) + 1).tolist() + [count]
@@ -187,7 +188,7 @@ def _vector_spans(breaks: np.ndarray, sizes: np.ndarray, limit: int) -> list[tup
             change += 1
         before = int(ends[start - 1]) if start else 0
         fit = int(np.searchsorted(ends, before + limit, "right"))
-        stop = max(start + 1, min(start + wire.MAX_VECTOR_RANGES, changes[change], fit))
+        stop = max(start + 1, min(start + max_ranges, changes[change], fit))
         spans.append((start, stop))
         start = stop
     return spans
@@ -239,19 +240,20 @@ def _vectors(proto: wire.ClientProtocol, opcode: int, positions: list[int],
     return out_first, out_last, headers, pieces, vectors
 
 
-def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
-                  limit: int) -> _Frames:
-    """The frames of an array batch, all vector requests, built from its arrays: ops that
-    continue each other on both sides are one range (as `_merge` does), and each vector
-    takes the next ranges of one segment as `_vector_spans` cuts them. The two sides of a
-    vector are cut apart, as each is one byte stream: its table has an entry per run of
-    ranges that continue each other in the segment (a block's layers, side by side in the
-    pool: one), its local side a view per run that continues locally (a KV layer's pages,
-    side by side in the cache: one). No Python object per op, which is what a batch of 4
-    KiB pages costs otherwise. Every op is at most `limit` bytes (the caller checked)."""
-    writing = op == TransferOp.WRITE
-    opcode = wire.Op.WRITE if writing else wire.Op.READ
-    seg, local, remote, lengths = ops.seg, ops.local, ops.remote, ops.lengths
+#: a span of an array batch: (first op, last op, segment slot, range table as big-endian
+#: (address, length) u64 pairs, local addresses, local lengths)
+Span = tuple[int, int, int, bytes, list[int], list[int]]
+
+
+def _frame_spans(seg: np.ndarray, local: np.ndarray, remote: np.ndarray,
+                 lengths: np.ndarray, limit: int, max_ranges: int) -> list[Span]:
+    """How an array batch goes as vector requests, in numpy (`_fastwire.frame_spans`
+    computes the same in one C pass). Ops that continue each other on both sides are one
+    range (as `_merge` does; one range per op when such a range would pass `limit`), and
+    each span takes the next ranges of one segment as `_vector_spans` cuts them. Its
+    table has an entry per run of ranges that continue each other in the segment (a
+    block's layers, side by side in the pool: one), its local side one piece per run that
+    continues locally (a KV layer's pages, side by side in the cache: one)."""
     count = len(lengths)
     op_ends = np.cumsum(lengths)
     joined = np.zeros(count, bool)  # op i continues op i - 1 on both sides
@@ -273,25 +275,42 @@ def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
     remote_breaks[1:] |= remote[1:] != remote[:-1] + sizes[:-1]
     local_breaks = np.ones(ranges, bool)  # ... and here
     local_breaks[1:] = local[1:] != local[:-1] + sizes[:-1]
-    firsts: list[int] = []
-    lasts: list[int] = []
-    headers: list[bytes] = []
-    pieces: list[list[memoryview]] = []
-    for start, stop in _vector_spans(segment_changes, sizes, limit):
-        segment = ops.segments[int(seg[start])]
+    spans: list[Span] = []
+    for start, stop in _vector_spans(segment_changes, sizes, limit, max_ranges):
         runs = np.flatnonzero(remote_breaks[start + 1:stop]) + 1  # from `start`
         table = np.empty((len(runs) + 1, 2), ">u8")
         table[0, 0] = remote[start]
         table[1:, 0] = remote[start + runs]
         table[:, 1] = np.add.reduceat(sizes[start:stop], np.append(0, runs))
-        headers.append(proto.vector_table(opcode, segment.segment_id, segment.epoch, table))
         local_runs = np.flatnonzero(local_breaks[start + 1:stop]) + start + 1
         run_firsts, run_stops = np.append(start, local_runs), np.append(local_runs, stop)
-        pieces.append(_views(local[run_firsts].tolist(),
-                             (ends[run_stops] - ends[run_firsts]).tolist(),
-                             writable=not writing))
-        firsts.append(int(firsts_op[start]))
-        lasts.append(int(lasts_op[stop - 1]))
+        spans.append((int(firsts_op[start]), int(lasts_op[stop - 1]), int(seg[start]),
+                      table.tobytes(), local[run_firsts].tolist(),
+                      (ends[run_stops] - ends[run_firsts]).tolist()))
+    return spans
+
+
+def _array_frames(proto: wire.ClientProtocol, op: TransferOp, ops: ItemArrays,
+                  limit: int) -> _Frames:
+    """The frames of an array batch, all vector requests, as `_frame_spans` cuts them (in
+    C where the extension is built). The two sides of a vector are cut apart, as each is
+    one byte stream. No Python object per op, which is what a batch of 4 KiB pages costs
+    otherwise. Every op is at most `limit` bytes (the caller checked)."""
+    writing = op == TransferOp.WRITE
+    opcode = wire.Op.WRITE if writing else wire.Op.READ
+    cut = FASTWIRE.frame_spans if FASTWIRE is not None else _frame_spans
+    spans = cut(ops.seg, ops.local, ops.remote, ops.lengths, limit, wire.MAX_VECTOR_RANGES)
+    firsts: list[int] = []
+    lasts: list[int] = []
+    headers: list[bytes] = []
+    pieces: list[list[memoryview]] = []
+    for first, last, slot, table, addrs, sizes in spans:
+        segment = ops.segments[slot]
+        headers.append(proto.vector_table(opcode, segment.segment_id, segment.epoch,
+                                          np.frombuffer(table, ">u8").reshape(-1, 2)))
+        pieces.append(_views(addrs, sizes, writable=not writing))
+        firsts.append(first)
+        lasts.append(last)
     frames = list(range(len(headers)))
     if writing:
         return _Frames(firsts, headers, payloads=pieces, lasts=lasts, vectors=frames)

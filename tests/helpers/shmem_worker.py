@@ -362,6 +362,15 @@ def array_batch(job: dict[str, Any]) -> dict[str, Any]:
             out["get_bad"] += [[t, j] for j in range(n)
                                if not np.array_equal(landing[j], rows(7, j, t))]
         right = (me + 1) % n
+        # a valid batch whose highest start plus its longest move passes the object's end
+        # (the last 8 bytes, and a whole row from 0): checked move by move, then moved
+        tail = BATCH_ROWS * BATCH_ROW - 8
+        edge = np.zeros(BATCH_ROW + 8, np.uint8)
+        ctx.get_batch(shmem.ArrayBatch(edge, box[me], [0, BATCH_ROW], [0, tail], [BATCH_ROW, 8]),
+                      right)
+        held = rows(7, me, right).ravel()
+        out["edge_bad"] = not np.array_equal(edge, np.concatenate([held[:BATCH_ROW],
+                                                                   held[tail:]]))
         src = sources[right][0]
         good = np.arange(BATCH_ROWS) * BATCH_ROW
 
