@@ -66,6 +66,11 @@
 #define V_EOF 2      /* EOF between frames */
 #define V_STALLED 3  /* SO_SNDTIMEO passed with nothing sent */
 #define V_ERRNO 4    /* a socket error */
+#define V_PAYLOAD_STALLED 5 /* SO_RCVTIMEO passed inside a vector WRITE's payload */
+#define V_GONE 6     /* EOF inside a vector WRITE's payload */
+#define V_SERVED 7   /* (serve_vector) served: the next frame is read */
+#define MAX_VECTOR_RANGES 512 /* wire.MAX_VECTOR_RANGES */
+#define VECTOR_MAX_VALUE ((1ULL << 62) - 1) /* wire._VECTOR_MAX_VALUE */
 
 /* ------------------------------------------------------------------ the header */
 
@@ -335,6 +340,152 @@ fail:
     return NULL;
 }
 
+/* Send every byte of iov[0..cnt) (modified in place), the GIL released (a serve() reply).
+ * V_HANDBACK when all went, V_STALLED (SO_SNDTIMEO passed) or V_ERRNO with *err; -1 with a
+ * Python exception set when a signal handler raised. */
+static int send_iovs(int fd, struct iovec *v, int cnt, int *err) {
+    int status = V_HANDBACK, sig = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (cnt) {
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = v; m.msg_iovlen = cnt;
+        ssize_t s = sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (s < 0) {
+            if (errno == EINTR) { if (interrupted()) { sig = 1; break; } continue; }
+            status = errno == EAGAIN || errno == EWOULDBLOCK ? V_STALLED : V_ERRNO;
+            *err = errno;
+            break;
+        }
+        size_t left = (size_t)s;
+        while (cnt && left >= v->iov_len) { left -= v->iov_len; v++; cnt--; }
+        if (cnt) { v->iov_base = (char *)v->iov_base + left; v->iov_len -= left; }
+    }
+    Py_END_ALLOW_THREADS
+    return sig ? -1 : status;
+}
+
+/* Fill iov[0..cnt) (modified in place) from the socket, MSG_WAITALL, the GIL released (a
+ * vector WRITE's payload). V_HANDBACK when all came, V_PAYLOAD_STALLED (SO_RCVTIMEO
+ * passed), V_GONE (EOF) or V_ERRNO with *err; -1 with a Python exception set. */
+static int recv_iovs(int fd, struct iovec *v, int cnt, int *err) {
+    int status = V_HANDBACK, sig = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (cnt) {
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = v; m.msg_iovlen = cnt;
+        ssize_t got = recvmsg(fd, &m, MSG_WAITALL);
+        if (got < 0) {
+            if (errno == EINTR) { if (interrupted()) { sig = 1; break; } continue; }
+            status = errno == EAGAIN || errno == EWOULDBLOCK ? V_PAYLOAD_STALLED : V_ERRNO;
+            *err = errno;
+            break;
+        }
+        if (got == 0) { status = V_GONE; break; }
+        size_t left = (size_t)got;
+        while (cnt && left >= v->iov_len) { left -= v->iov_len; v++; cnt--; }
+        if (cnt) { v->iov_base = (char *)v->iov_base + left; v->iov_len -= left; }
+    }
+    Py_END_ALLOW_THREADS
+    return sig ? -1 : status;
+}
+
+/* A vector WRITE or READ whose header is at r[0:HDR] of the ring (`*n` bytes in it, the
+ * ring `size` long), served whole in C when it is alone on the stream and accepted by the
+ * checks wire.ServerProtocol.on_table makes (every range's address and length, their sum,
+ * and the segment's identity, epoch, rights and bounds over the ranges' span, by
+ * accept_op): its table is read into the ring after the header, a WRITE's payload lands
+ * in the ranges (what the ring holds copied, the rest received straight into segment
+ * memory), a READ's ranges are sent after the reply header. Why: the Python loop spent
+ * ~100 us of agent time per vector around the data (the table's numpy checks, the run
+ * bookkeeping), on the path of every KV layer that goes over a socket.
+ *
+ * V_SERVED when it was answered; V_HANDBACK when it is Python's (anything unusual, any
+ * refusal: its reply and text are the Python path's), with ring[0:*n] holding every byte
+ * read of it; another status (with *err for V_ERRNO) when the stream failed; -1 with a
+ * Python exception set. The segment stays pinned by accept_op's view until the op's
+ * bytes have moved, as on the Python path. */
+static int serve_vector(int fd, unsigned char *r, Py_ssize_t size, ssize_t *n,
+                        PyObject *resolve, PyObject *identity, PyObject *on_op,
+                        double arrived, int *err) {
+    int opcode = r[3];
+    uint64_t count = get64(r + 32), length = get64(r + 40);
+    if (get16(r + 4) != FLAG_VECTOR || (opcode != OP_WRITE && opcode != OP_READ) ||
+        count == 0 || count > MAX_VECTOR_RANGES || length == 0 || length > MAX_PAYLOAD)
+        return V_HANDBACK;
+    size_t table = (size_t)count * 16, framed = HDR + table;
+    if ((Py_ssize_t)framed > size) return V_HANDBACK;
+    if ((size_t)*n < framed) { /* the rest of the table; short (a stall, EOF): Python's */
+        ssize_t got;
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            got = recv(fd, r + *n, framed - (size_t)*n, MSG_WAITALL);
+            *err = errno;
+            Py_END_ALLOW_THREADS
+            if (got < 0 && *err == EINTR) {
+                if (PyErr_CheckSignals()) return -1;
+                continue;
+            }
+            break;
+        }
+        if (got > 0) *n += got;
+        if ((size_t)*n < framed) return V_HANDBACK;
+    }
+    size_t extra = (size_t)*n - framed; /* payload bytes the ring holds */
+    if (opcode == OP_READ ? extra != 0 : extra > length) return V_HANDBACK; /* not alone */
+    uint64_t lo = UINT64_MAX, hi = 0, sum = 0;
+    for (uint64_t i = 0; i < count; i++) {
+        uint64_t addr = get64(r + HDR + 16 * i), len = get64(r + HDR + 16 * i + 8);
+        if (addr > VECTOR_MAX_VALUE || len == 0 || len > MAX_PAYLOAD) return V_HANDBACK;
+        sum += len;
+        if (addr < lo) lo = addr;
+        if (addr + len > hi) hi = addr + len;
+    }
+    if (sum != length) return V_HANDBACK;
+    unsigned char *at = NULL;
+    PyObject *pin = accept_op(resolve, identity, opcode, get64(r + 24), get32(r + 12), lo,
+                              hi - lo, &at);
+    if (!pin) return PyErr_Occurred() ? -1 : V_HANDBACK;
+    uint64_t rid = get64(r + 16);
+    unsigned char reply[HDR];
+    struct iovec iov[MAX_VECTOR_RANGES + 1];
+    int status, cnt = 0;
+    if (opcode == OP_WRITE) {
+        const unsigned char *came = r + framed; /* GIL held: no deregister runs meanwhile */
+        for (uint64_t i = 0; i < count; i++) {
+            unsigned char *dst = at + (get64(r + HDR + 16 * i) - lo);
+            size_t len = (size_t)get64(r + HDR + 16 * i + 8), take = extra < len ? extra : len;
+            memcpy(dst, came, take);
+            came += take, extra -= take;
+            if (take < len) iov[cnt++] = (struct iovec){dst + take, len - take};
+        }
+        status = cnt ? recv_iovs(fd, iov, cnt, err) : V_HANDBACK;
+        Py_CLEAR(pin); /* dropped before the reply leaves, as on the Python path */
+        if (status != V_HANDBACK) return status;
+    } else {
+        iov[cnt++] = (struct iovec){reply, HDR};
+        for (uint64_t i = 0; i < count; i++)
+            iov[cnt++] = (struct iovec){at + (get64(r + HDR + 16 * i) - lo),
+                                        (size_t)get64(r + HDR + 16 * i + 8)};
+    }
+    PyObject *res = PyObject_CallFunction(on_op, "iKd", opcode, (unsigned long long)length,
+                                          monotonic() - arrived);
+    if (!res) {
+        Py_XDECREF(pin);
+        return -1;
+    }
+    Py_DECREF(res);
+    build(reply, OP_REPLY, 0, 0, 0, 0, rid, 0, 0, opcode == OP_READ ? length : 0);
+    if (opcode == OP_WRITE) { /* the reply alone */
+        iov[0] = (struct iovec){reply, HDR};
+        cnt = 1;
+    }
+    status = send_iovs(fd, iov, cnt, err);
+    Py_XDECREF(pin); /* a READ's ranges: their bytes have left */
+    return status == V_HANDBACK ? V_SERVED : status;
+}
+
 /* serve(fd, ring, want, resolve, identity, on_op) -> (status, n)
  *
  * Answer lone accepted WRITE/READ frames on an authenticated connection until a receive
@@ -374,10 +525,21 @@ static PyObject *serve(PyObject *self, PyObject *args) {
         }
         if (n == 0) { status = V_EOF; break; }
         double arrived = monotonic();
-        /* alone on the stream: one receive brought exactly one whole frame, less than it
-         * asked (the socket held nothing more: wire's "drained") */
-        if (n < HDR || n >= want || get16(r) != MAGIC || r[2] != VERSION) break;
-        if (get16(r + 4) & FLAG_VECTOR) break; /* a vector request: Python reads its table */
+        if (n < HDR || get16(r) != MAGIC || r[2] != VERSION) break;
+        if (get16(r + 4) & FLAG_VECTOR) { /* a vector request: served here when it can be */
+            status = serve_vector(fd, r, ring.len, &n, resolve, identity, on_op, arrived, &err);
+            if (status < 0) goto error;
+            if (status == V_SERVED) {
+                status = V_HANDBACK;
+                want = HDR; /* a large payload may follow: read the next header alone */
+                continue;
+            }
+            if (status != V_HANDBACK) n = status == V_ERRNO ? err : 0;
+            break;
+        }
+        /* a lone op: one receive brought exactly one whole frame, less than it asked (the
+         * socket held nothing more: wire's "drained") */
+        if (n >= want) break;
         int opcode = r[3];
         uint64_t length = get64(r + 40);
         if (length == 0 || length > MAX_PAYLOAD) break;
@@ -402,28 +564,9 @@ static PyObject *serve(PyObject *self, PyObject *args) {
         unsigned char reply[HDR];
         build(reply, OP_REPLY, 0, 0, 0, 0, rid, 0, 0, opcode == OP_READ ? length : 0);
         struct iovec iov[2] = {{reply, HDR}, {at, (size_t)length}};
-        struct iovec *v = iov;
-        int cnt = opcode == OP_READ ? 2 : 1;
-        int sig = 0;
-        Py_BEGIN_ALLOW_THREADS
-        while (cnt) {
-            struct msghdr m;
-            memset(&m, 0, sizeof m);
-            m.msg_iov = v; m.msg_iovlen = cnt;
-            ssize_t s = sendmsg(fd, &m, MSG_NOSIGNAL);
-            if (s < 0) {
-                if (errno == EINTR) { if (interrupted()) { sig = 1; break; } continue; }
-                status = errno == EAGAIN || errno == EWOULDBLOCK ? V_STALLED : V_ERRNO;
-                err = errno;
-                break;
-            }
-            size_t left = (size_t)s;
-            while (cnt && left >= v->iov_len) { left -= v->iov_len; v++; cnt--; }
-            if (cnt) { v->iov_base = (char *)v->iov_base + left; v->iov_len -= left; }
-        }
-        Py_END_ALLOW_THREADS
+        status = send_iovs(fd, iov, opcode == OP_READ ? 2 : 1, &err);
         Py_XDECREF(pin); /* a READ's window: the data has left */
-        if (sig) goto error;
+        if (status < 0) goto error;
         if (status != V_HANDBACK) { n = status == V_ERRNO ? err : 0; break; }
         want = ring.len; /* after a small payload the next frames are read greedily */
     }
@@ -943,7 +1086,9 @@ PyMODINIT_FUNC PyInit__fastwire(void) {
         PyModule_AddIntConstant(m, "HANDBACK", V_HANDBACK) ||
         PyModule_AddIntConstant(m, "IDLE", V_IDLE) || PyModule_AddIntConstant(m, "EOF", V_EOF) ||
         PyModule_AddIntConstant(m, "STALLED", V_STALLED) ||
-        PyModule_AddIntConstant(m, "SOCKET_ERROR", V_ERRNO)) {
+        PyModule_AddIntConstant(m, "SOCKET_ERROR", V_ERRNO) ||
+        PyModule_AddIntConstant(m, "PAYLOAD_STALLED", V_PAYLOAD_STALLED) ||
+        PyModule_AddIntConstant(m, "GONE", V_GONE)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -416,6 +416,35 @@ def test_stalled_payload_is_cut_off_but_idle_connections_live(served: Served, tm
     assert served.bytes_of(1)[100:] == before[100:]
 
 
+@pytest.mark.parametrize("end", ["stall", "leave"])
+def test_a_vector_payload_cut_short_ends_its_connection_and_no_other(
+        served: Served, tmp_path: Path, kind: str, end: str) -> None:
+    """A vector WRITE (two ranges) whose payload stops after its table and some bytes:
+    stalled past io_timeout, or its peer gone. The agent (the C loop or Python's, per
+    variant) ends that connection without a reply and counts a protocol error for the
+    stall; another connection is served meanwhile and after; bytes past those that came
+    never land."""
+    info = served.add(1)
+    before = served.bytes_of(1)
+    srv = DataServer(served.resolve, EPOCH, unix_path=str(tmp_path / "s.sock"), io_timeout=0.2)
+    with srv:
+        other = raw_connection(srv, kind)
+        cut = raw_connection(srv, kind)
+        table = np.array([[info.base, 40_000], [info.base + 100_000, 40_000]], np.uint64)
+        cut.sendall(wire.ClientProtocol().vector_table(wire.Op.WRITE, 1, EPOCH, table)
+                    + b"x" * 1000)
+        if end == "leave":
+            cut.shutdown(socket.SHUT_WR)
+        assert read_until_closed(cut) == b""
+        other.sendall(wire.Header(wire.Op.PING, 9).pack())
+        assert wire.decode_header(recv_exactly(other, wire.HEADER_SIZE)).request_id == 9
+        other.close()
+        cut.close()
+        assert srv.counters["protocol_errors"] == (1 if end == "stall" else 0)
+    after = served.bytes_of(1)
+    assert after[1000:100_000] == before[1000:100_000] and after[100_000:] == before[100_000:]
+
+
 def test_server_stopped_mid_transfer_fails_the_client_promptly(served: Served, tmp_path: Path,
                                                                kind: str) -> None:
     info = served.add(1, size=4 << 20)

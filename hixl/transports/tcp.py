@@ -376,6 +376,9 @@ class _Connection:
         self._run_first = self._run_end = 0  # the frames the current READ reply answers
         self._frame_ends: list[int] | None = None  # their byte ends, when frames are merged
         self._refusal: wire.Header | None = None  # error reply whose text is still coming
+        # every request of the current exchange is out, by its deadline: READ data may
+        # then be waited for in the receive call itself (_read_data)
+        self._sent_by: float | None = None
         self.replied = 0  # progress of the current exchange
         self.refusals: list[tuple[int, HixlError]] = []
         self.pooled = False  # has been idle in the pool (so may have died there)
@@ -580,6 +583,7 @@ class _Connection:
                         progressed = True
                         out.advance(sent)
                         unsent -= sent
+                self._sent_by = None if unsent else deadline
                 if self._read_available(frames.targets, total):
                     progressed = True
                 if self.replied == total:
@@ -657,7 +661,10 @@ class _Connection:
 
         One scatter read takes as many of the targets as one call can name (IOV_MAX) and,
         when they end the reply and more replies are due, the next reply's header too,
-        which lands in the (empty) scratch; the data itself never does.
+        which lands in the (empty) scratch; the data itself never does. Once every
+        request is out that read waits for all of it (MSG_WAITALL, bounded by the
+        deadline): a gather of 4 KiB pages otherwise took ~30 wake-ups per 2 MiB reply,
+        each cutting the target list anew.
         """
         targets = self._targets
         if self._start != self._end:  # never with exact header reads; kept for safety
@@ -669,10 +676,14 @@ class _Connection:
             if header_too:  # these targets end the reply, and another reply is due
                 self._start = self._end = 0
                 chunk.append(self._view[:wire.HEADER_SIZE])
+            flags = _DONTWAIT
+            if self._sent_by is not None:
+                self._arm(self._sent_by)
+                flags = _WAITALL
             try:
-                got = (self.sock.recvmsg_into(chunk, 0, _DONTWAIT)[0] if len(chunk) > 1
-                       else self.sock.recv_into(chunk[0], 0, _DONTWAIT))
-            except BlockingIOError:
+                got = (self.sock.recvmsg_into(chunk, 0, flags)[0] if len(chunk) > 1
+                       else self.sock.recv_into(chunk[0], 0, flags))
+            except BlockingIOError:  # nothing now, or SO_RCVTIMEO passed: the loop decides
                 return False
             if not got:
                 raise self._lost("closed", "peer closed the connection")

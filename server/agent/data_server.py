@@ -321,17 +321,18 @@ class _Connection:
                 # frame: an idle connection must not keep a deregistered segment mapped
                 action = target = window = None
                 if (fast is not None and start == self.end and proto.authenticated
-                        and (self.drained or not (replies or self.run_count))):
-                    # the socket held nothing more when last read (or nothing is gathered):
-                    # what _read_header would do, answer now, then wait in C
+                        and (self.drained or not (replies or self.run_count)
+                             or self._nothing_waiting())):
+                    # the socket holds nothing more (or nothing is gathered): what
+                    # _read_header would do, answer now, then wait in C
                     if self.run_count:
                         self._close_run()
                     if replies:
                         self._flush()
                     if not self._serve_fast(fast):
                         return
-                elif not self._read_header():
-                    return
+                elif self.end - self.start < wire.HEADER_SIZE and not self._read_header():
+                    return  # (_nothing_waiting may have brought a whole header)
                 start = self.start
             action = on_header_at(ring, start)
             start += wire.HEADER_SIZE
@@ -427,12 +428,29 @@ class _Connection:
         if not self.proto.runs or self.run_count >= _RUN_OPS or self.run_bytes >= _FLUSH_BYTES:
             self._close_run()
 
+    def _nothing_waiting(self) -> bool:
+        """With replies gathered and the ring empty: True when the socket holds nothing
+        now (then `drained`); else what it holds is in the ring and False (end-of-file
+        too: `_read_header` then finds it). One non-blocking read, which `_read_header`
+        would make first anyway (as it would: the header alone when `exact`); it lets the
+        wait after a batch be in C."""
+        try:
+            n = self.sock.recv_into(self.view, wire.HEADER_SIZE if self.exact else _RING,
+                                    socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            self.drained = True
+            return True
+        self.start, self.end = 0, n
+        return False
+
     def _serve_fast(self, fast: object) -> bool:
         """Wait for the next frame in C (hixl._fastwire.serve), which answers lone accepted
-        WRITE/READ frames itself, one after another, as `_answer_one` does; the first frame
-        it does not serve (a batch, a refusal, a handshake or control frame, a payload that
-        did not come whole with its header) is left in the ring for the Python loop, as if
-        `_read_header` had read it. False on EOF between frames.
+        WRITE/READ frames itself, one after another, as `_answer_one` does, and accepted
+        vector requests alone on the stream, as `on_table` and `_receive_scatter` would
+        serve them; the first frame it does not serve (a batch, a refusal, a handshake or
+        control frame, a payload that did not come whole with its header) is left in the
+        ring for the Python loop, as if `_read_header` had read it. False on EOF between
+        frames.
 
         Only between frames of an authenticated connection with nothing gathered, so the
         replies stay in order. Memory: see hixl/_fastwire.c (checks and a WRITE's copy under
@@ -457,6 +475,10 @@ class _Connection:
                 return False
             if status == 3:  # STALLED: SO_SNDTIMEO passed with nothing sent
                 raise Stalled("peer stopped reading replies")
+            if status == 5:  # PAYLOAD_STALLED: inside a vector WRITE's payload
+                raise Stalled("vector payload stalled")
+            if status == 6:  # GONE: EOF inside a vector WRITE's payload
+                raise PeerGone()
             raise OSError(n, os.strerror(n))
 
     def _counted(self, opcode: int, size: int, seconds: float) -> None:
