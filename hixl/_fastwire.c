@@ -18,9 +18,10 @@
  * memory this process will not read next (another process's segment), 1.3-1.6x a
  * memmove from 4 KiB to 8784 KiB on the VMs this project measures on (docs/benchmarks.md).
  *
- * Agent: serve() answers lone WRITE/READ frames of one authenticated connection, one after
- * another, until a frame is anything else: that frame's bytes are handed back to the
- * Python loop (server/agent/data_server.py), which serves it as before. A frame is served here
+ * Agent: serve() answers lone WRITE/READ frames and vector requests (serve_vector) of one
+ * authenticated connection, one after another, until a frame is anything else: that
+ * frame's bytes are handed back to the Python loop (server/agent/data_server.py), which
+ * serves it as before. A frame is served here
  * only when it is alone on the stream (one receive brought exactly it) and accepted by the
  * same checks as wire.ServerProtocol.on_header_at (magic, version, opcode, length, a
  * segment the agent's resolve() returns, its epoch, bounds, permission, allow-list); a
