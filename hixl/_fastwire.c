@@ -341,50 +341,28 @@ fail:
     return NULL;
 }
 
-/* Send every byte of iov[0..cnt) (modified in place), the GIL released (a serve() reply).
- * V_HANDBACK when all went, V_STALLED (SO_SNDTIMEO passed) or V_ERRNO with *err; -1 with a
- * Python exception set when a signal handler raised. */
-static int send_iovs(int fd, struct iovec *v, int cnt, int *err) {
+/* Send (`receive` 0: a serve() reply) or receive (1: a vector WRITE's payload, MSG_WAITALL)
+ * every byte of iov[0..cnt) (modified in place), the GIL released. V_HANDBACK when all
+ * moved; SO_SNDTIMEO / SO_RCVTIMEO passing gives V_STALLED / V_PAYLOAD_STALLED, EOF on a
+ * receive V_GONE, another error V_ERRNO with *err; -1 with a Python exception set when a
+ * signal handler raised. */
+static int move_iovs(int fd, struct iovec *v, int cnt, int receive, int *err) {
     int status = V_HANDBACK, sig = 0;
     Py_BEGIN_ALLOW_THREADS
     while (cnt) {
         struct msghdr m;
         memset(&m, 0, sizeof m);
         m.msg_iov = v; m.msg_iovlen = cnt;
-        ssize_t s = sendmsg(fd, &m, MSG_NOSIGNAL);
-        if (s < 0) {
+        ssize_t moved = receive ? recvmsg(fd, &m, MSG_WAITALL) : sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (moved < 0) {
             if (errno == EINTR) { if (interrupted()) { sig = 1; break; } continue; }
-            status = errno == EAGAIN || errno == EWOULDBLOCK ? V_STALLED : V_ERRNO;
+            status = errno != EAGAIN && errno != EWOULDBLOCK ? V_ERRNO
+                     : receive ? V_PAYLOAD_STALLED : V_STALLED;
             *err = errno;
             break;
         }
-        size_t left = (size_t)s;
-        while (cnt && left >= v->iov_len) { left -= v->iov_len; v++; cnt--; }
-        if (cnt) { v->iov_base = (char *)v->iov_base + left; v->iov_len -= left; }
-    }
-    Py_END_ALLOW_THREADS
-    return sig ? -1 : status;
-}
-
-/* Fill iov[0..cnt) (modified in place) from the socket, MSG_WAITALL, the GIL released (a
- * vector WRITE's payload). V_HANDBACK when all came, V_PAYLOAD_STALLED (SO_RCVTIMEO
- * passed), V_GONE (EOF) or V_ERRNO with *err; -1 with a Python exception set. */
-static int recv_iovs(int fd, struct iovec *v, int cnt, int *err) {
-    int status = V_HANDBACK, sig = 0;
-    Py_BEGIN_ALLOW_THREADS
-    while (cnt) {
-        struct msghdr m;
-        memset(&m, 0, sizeof m);
-        m.msg_iov = v; m.msg_iovlen = cnt;
-        ssize_t got = recvmsg(fd, &m, MSG_WAITALL);
-        if (got < 0) {
-            if (errno == EINTR) { if (interrupted()) { sig = 1; break; } continue; }
-            status = errno == EAGAIN || errno == EWOULDBLOCK ? V_PAYLOAD_STALLED : V_ERRNO;
-            *err = errno;
-            break;
-        }
-        if (got == 0) { status = V_GONE; break; }
-        size_t left = (size_t)got;
+        if (moved == 0 && receive) { status = V_GONE; break; }
+        size_t left = (size_t)moved;
         while (cnt && left >= v->iov_len) { left -= v->iov_len; v++; cnt--; }
         if (cnt) { v->iov_base = (char *)v->iov_base + left; v->iov_len -= left; }
     }
@@ -461,7 +439,7 @@ static int serve_vector(int fd, unsigned char *r, Py_ssize_t size, ssize_t *n,
             came += take, extra -= take;
             if (take < len) iov[cnt++] = (struct iovec){dst + take, len - take};
         }
-        status = cnt ? recv_iovs(fd, iov, cnt, err) : V_HANDBACK;
+        status = cnt ? move_iovs(fd, iov, cnt, 1, err) : V_HANDBACK;
         Py_CLEAR(pin); /* dropped before the reply leaves, as on the Python path */
         if (status != V_HANDBACK) return status;
     } else {
@@ -482,7 +460,7 @@ static int serve_vector(int fd, unsigned char *r, Py_ssize_t size, ssize_t *n,
         iov[0] = (struct iovec){reply, HDR};
         cnt = 1;
     }
-    status = send_iovs(fd, iov, cnt, err);
+    status = move_iovs(fd, iov, cnt, 0, err);
     Py_XDECREF(pin); /* a READ's ranges: their bytes have left */
     return status == V_HANDBACK ? V_SERVED : status;
 }
@@ -565,7 +543,7 @@ static PyObject *serve(PyObject *self, PyObject *args) {
         unsigned char reply[HDR];
         build(reply, OP_REPLY, 0, 0, 0, 0, rid, 0, 0, opcode == OP_READ ? length : 0);
         struct iovec iov[2] = {{reply, HDR}, {at, (size_t)length}};
-        status = send_iovs(fd, iov, opcode == OP_READ ? 2 : 1, &err);
+        status = move_iovs(fd, iov, opcode == OP_READ ? 2 : 1, 0, &err);
         Py_XDECREF(pin); /* a READ's window: the data has left */
         if (status < 0) goto error;
         if (status != V_HANDBACK) { n = status == V_ERRNO ? err : 0; break; }
