@@ -376,9 +376,6 @@ class _Connection:
         self._run_first = self._run_end = 0  # the frames the current READ reply answers
         self._frame_ends: list[int] | None = None  # their byte ends, when frames are merged
         self._refusal: wire.Header | None = None  # error reply whose text is still coming
-        # every request of the current exchange is out, by its deadline: READ data may
-        # then be waited for in the receive call itself (_read_data)
-        self._sent_by: float | None = None
         self.replied = 0  # progress of the current exchange
         self.refusals: list[tuple[int, HixlError]] = []
         self.pooled = False  # has been idle in the pool (so may have died there)
@@ -583,8 +580,8 @@ class _Connection:
                         progressed = True
                         out.advance(sent)
                         unsent -= sent
-                self._sent_by = None if unsent else deadline
-                if self._read_available(frames.targets, total):
+                # once every request is out, READ data is waited for in the receive call
+                if self._read_available(frames.targets, total, None if unsent else deadline):
                     progressed = True
                 if self.replied == total:
                     break
@@ -601,8 +598,10 @@ class _Connection:
     def _lost(self, kind: str, message: str) -> _StreamLost:
         return _StreamLost(kind, message, self.replied, self.refusals)
 
-    def _read_available(self, targets: list[memoryview] | None, total: int) -> bool:
-        """Read as many replies as the socket holds now, without blocking.
+    def _read_available(self, targets: list[memoryview] | None, total: int,
+                        sent_by: float | None) -> bool:
+        """Read as many replies as the socket holds now, without blocking (but see
+        `_read_data`: with every request sent by `sent_by`, READ data is waited for).
 
         Returns whether any byte came. Where a reply stops half-way, `_targets` (READ data
         still coming) or `_refusal` (an error header whose text is still coming) remember
@@ -612,7 +611,7 @@ class _Connection:
         proto = self.proto
         while self.replied < total:
             if self._data_left:  # READ data: straight into place
-                if not self._read_data(total):
+                if not self._read_data(total, sent_by):
                     return read_any
                 read_any = True
                 continue
@@ -656,14 +655,14 @@ class _Connection:
                 self._data_left = header.length
         return read_any
 
-    def _read_data(self, total: int) -> bool:
+    def _read_data(self, total: int, sent_by: float | None) -> bool:
         """Receive more of the current READ data; False when none is there now.
 
         One scatter read takes as many of the targets as one call can name (IOV_MAX) and,
         when they end the reply and more replies are due, the next reply's header too,
         which lands in the (empty) scratch; the data itself never does. Once every
-        request is out that read waits for all of it (MSG_WAITALL, bounded by the
-        deadline): a gather of 4 KiB pages otherwise took ~30 wake-ups per 2 MiB reply,
+        request is out (`sent_by`: the exchange's deadline) that read waits for all of it
+        (MSG_WAITALL, bounded by the deadline): a gather of 4 KiB pages otherwise took ~30 wake-ups per 2 MiB reply,
         each cutting the target list anew.
         """
         targets = self._targets
@@ -677,8 +676,8 @@ class _Connection:
                 self._start = self._end = 0
                 chunk.append(self._view[:wire.HEADER_SIZE])
             flags = _DONTWAIT
-            if self._sent_by is not None:
-                self._arm(self._sent_by)
+            if sent_by is not None:
+                self._arm(sent_by)
                 flags = _WAITALL
             try:
                 got = (self.sock.recvmsg_into(chunk, 0, flags)[0] if len(chunk) > 1
