@@ -780,10 +780,8 @@ static PyObject *span_tuple(Py_ssize_t a, Py_ssize_t b, const int64_t *rf, const
         int new_row = r == b || r == a || re[r] != re[r - 1] + sz[r - 1];
         int new_piece = r == b || r == a || lo[r] != lo[r - 1] + sz[r - 1];
         if (new_row && row >= 0) {
-            for (int k = 0; k < 8; k++) {
-                t[row * 16 + k] = (unsigned char)(row_at >> (56 - 8 * k));
-                t[row * 16 + 8 + k] = (unsigned char)(row_len >> (56 - 8 * k));
-            }
+            put64(t + row * 16, row_at);
+            put64(t + row * 16 + 8, row_len);
         }
         if (new_piece && piece >= 0) {
             PyObject *x = PyLong_FromLongLong(piece_at), *y = PyLong_FromLongLong(piece_len);
@@ -801,9 +799,8 @@ static PyObject *span_tuple(Py_ssize_t a, Py_ssize_t b, const int64_t *rf, const
         row_len += (uint64_t)sz[r];
         piece_len += sz[r];
     }
-    PyObject *out = Py_BuildValue("(LLLNNN)", (long long)rf[a], (long long)rl[b - 1],
-                                  (long long)rs[a], table, addrs, lens);
-    return out;
+    return Py_BuildValue("(LLLNNN)", (long long)rf[a], (long long)rl[b - 1], (long long)rs[a],
+                         table, addrs, lens);
 fail:
     Py_XDECREF(table);
     Py_XDECREF(addrs);
